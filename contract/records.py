@@ -1,0 +1,100 @@
+"""Record schemas shared by every stage that reads or writes conversations, and the per-id stage report.
+
+A prompt record holds the turns as the source gave them. An assistant turn whose `content` is None is a
+slot for the target to write (MT-bench, HumanEval and chitchat only give the user side).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Role = Literal["system", "user", "assistant"]
+Status = Literal["ok", "error", "skipped"]
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Message(Record):
+    role: Role
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class Provenance(Record):
+    """Where a record came from, precisely enough to find the original line again."""
+
+    file: str
+    line: int = Field(ge=1, description="1-based line (JSONL) or item number (JSON array, parquet row)")
+    format: str
+    original_id: Optional[str] = None
+
+
+class PromptRecord(Record):
+    """One normalised conversation; exactly one of `messages` (non-empty) or `text` (pre-templated)."""
+
+    id: str
+    source: str
+    messages: list[Message] = Field(default_factory=list)
+    text: Optional[str] = None
+    split: Literal["auto", "train", "eval"] = "auto"
+    provenance: Provenance
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _messages_or_text(self) -> "PromptRecord":
+        if bool(self.messages) == (self.text is not None):
+            raise ValueError(f"record '{self.id}' needs exactly one of non-empty 'messages' or 'text'")
+        return self
+
+
+class Outcome(Record):
+    """What happened to one input item: ok, or error/skipped with the reason."""
+
+    key: str = Field(description="file:line of the input item; unique within a stage")
+    id: Optional[str] = None
+    status: Status
+    reason: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _non_ok_has_reason(self) -> "Outcome":
+        if self.status != "ok" and not self.reason:
+            raise ValueError(f"outcome {self.key} is '{self.status}' without a reason")
+        return self
+
+
+class StageReport(Record):
+    """Per-id accounting of a stage: ok + error + skipped == input, always."""
+
+    stage: str
+    input: int = 0
+    ok: int = 0
+    error: int = 0
+    skipped: int = 0
+    by_source: dict[str, dict[str, int]] = Field(default_factory=dict)
+    outcomes: list[Outcome] = Field(default_factory=list)
+
+    @classmethod
+    def from_outcomes(cls, stage: str, outcomes: list[Outcome], source_of: dict[str, str]) -> "StageReport":
+        """Count outcomes overall and per source (`source_of` maps an outcome key to its source)."""
+        report = cls(stage=stage, outcomes=outcomes, input=len(outcomes))
+        for outcome in outcomes:
+            setattr(report, outcome.status, getattr(report, outcome.status) + 1)
+            counts = report.by_source.setdefault(
+                source_of[outcome.key], {"input": 0, "ok": 0, "error": 0, "skipped": 0}
+            )
+            counts["input"] += 1
+            counts[outcome.status] += 1
+        report.check_balanced()
+        return report
+
+    def check_balanced(self) -> None:
+        """Refuse a report that lost an item: the accounting rule of DESIGN §2."""
+        if self.ok + self.error + self.skipped != self.input or len(self.outcomes) != self.input:
+            raise ValueError(
+                f"{self.stage} report does not balance: ok {self.ok} + error {self.error} + "
+                f"skipped {self.skipped} != input {self.input}"
+            )

@@ -1,0 +1,110 @@
+"""The `eaglet` command line: every subcommand is a thin, typed wrapper over a plain function.
+
+    eaglet config show --config params.yaml training.learning_rate=3e-4
+    eaglet config validate --config configs/llama31-8b-sglang.yaml
+    eaglet stage target --config params.yaml          # one stage, no Prefect (what dvc.yaml calls)
+    eaglet run --config params.yaml                    # the Prefect flow over every stage
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from contract.config import RunConfig
+from contract.config_loading import ConfigError, config_as_yaml, load_config
+
+for variable, value in (("PREFECT_SERVER_ANALYTICS_ENABLED", "false"), ("GX_ANALYTICS_ENABLED", "false"),
+                        ("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+    os.environ.setdefault(variable, value)
+
+app = typer.Typer(help="eaglet: build, validate and ship EAGLE3 draft models.", no_args_is_help=True)
+config_app = typer.Typer(help="Inspect and check run configs.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+console = Console()
+
+ConfigOption = typer.Option(None, "--config", "-c", help="Run config YAML (defaults when omitted).")
+OverridesArgument = typer.Argument(None, help="Overrides as section.field=value (YAML values).")
+
+
+def load_or_exit(config: Optional[Path], overrides: Optional[list[str]]) -> RunConfig:
+    """Load the config, or print the problems and exit with status 2."""
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as error:
+        console.print(f"[red]config error[/red]: {error}", markup=True, highlight=False)
+        raise typer.Exit(code=2) from None
+
+
+@config_app.command("show")
+def config_show(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument) -> None:
+    """Print the resolved config (defaults filled in, overrides applied)."""
+    sys.stdout.write(config_as_yaml(load_or_exit(config, overrides)))
+
+
+@config_app.command("validate")
+def config_validate(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument) -> None:
+    """Check a config; exit 2 naming every bad field."""
+    cfg = load_or_exit(config, overrides)
+    console.print(f"[green]ok[/green]: {config or '<defaults>'} is a valid run config (run_id {cfg.run_id})")
+
+
+@app.command("stage")
+def stage(
+    name: str = typer.Argument(..., help="Stage name (target, ingest, ...)."),
+    config: Optional[Path] = ConfigOption,
+    overrides: Optional[list[str]] = OverridesArgument,
+) -> None:
+    """Run one stage's function directly (DVC calls this)."""
+    from flows.stages import stage_function
+    from flows.tracking import tracked_run
+
+    cfg = load_or_exit(config, overrides)
+    try:
+        function = stage_function(name)
+    except KeyError as error:
+        console.print(f"[red]{error.args[0]}[/red]")
+        raise typer.Exit(code=2) from None
+    with tracked_run(cfg, run_name=f"{cfg.run_id}/{name}", tags={"eaglet.kind": "stage", "eaglet.stage": name}) as tracker:
+        result = function(cfg)
+        tracker.log_stage(name, result)
+    print_summaries({name: result.summary()})
+
+
+@app.command("run")
+def run(
+    config: Optional[Path] = ConfigOption,
+    overrides: Optional[list[str]] = OverridesArgument,
+    stages: Optional[str] = typer.Option(None, "--stages", help="Comma-separated subset of stages."),
+) -> None:
+    """Run the pipeline as a Prefect flow (every stage, or --stages)."""
+    from flows.pipeline import pipeline
+
+    cfg = load_or_exit(config, overrides)
+    selected = stages.split(",") if stages else None
+    summaries = pipeline(str(config) if config else None, overrides or [], selected)
+    print_summaries(summaries)
+    console.print(f"artifacts: {cfg.output_path.resolve()}")
+    if cfg.tracking.enabled:
+        from flows.tracking import tracking_uri
+
+        console.print(f"MLflow UI: mlflow ui --backend-store-uri {tracking_uri(cfg)}")
+
+
+def print_summaries(summaries: dict[str, dict[str, float]]) -> None:
+    table = Table(title="stages")
+    table.add_column("stage")
+    table.add_column("summary")
+    for name, summary in summaries.items():
+        table.add_row(name, ", ".join(f"{key}={value:g}" for key, value in summary.items()))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,62 @@
+"""MLflow tracking of a pipeline run: the resolved config as params, each stage's numbers and reports.
+
+The default store is sqlite under the run's output dir (MLflow 3 refuses the file store).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+from contract.config import RunConfig
+from contract.config_loading import config_as_yaml, flatten_config
+from flows.stages import StageResult
+
+
+def tracking_uri(cfg: RunConfig) -> str:
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    database = (cfg.output_path / "mlflow.db").resolve()
+    database.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{database}"
+
+
+class Tracker:
+    """Logs into one active MLflow run; a disabled tracker does nothing."""
+
+    def __init__(self, mlflow_module: Optional[object]) -> None:
+        self.mlflow = mlflow_module
+
+    @property
+    def run_id(self) -> str | None:
+        if self.mlflow is None:
+            return None
+        return self.mlflow.active_run().info.run_id
+
+    def log_stage(self, name: str, result: StageResult) -> None:
+        if self.mlflow is None:
+            return
+        metrics = {f"{name}.{key}": float(value) for key, value in result.summary().items()}
+        self.mlflow.log_metrics(metrics)
+        for path in result.reports():
+            if Path(path).is_file():
+                self.mlflow.log_artifact(str(path), artifact_path=f"reports/{name}")
+
+
+@contextmanager
+def tracked_run(cfg: RunConfig, run_name: str, tags: dict[str, str] | None = None) -> Iterator[Tracker]:
+    """An MLflow run holding the resolved config; yields a Tracker (inert when tracking is off)."""
+    if not cfg.tracking.enabled:
+        yield Tracker(None)
+        return
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    mlflow.set_experiment(cfg.tracking.experiment)
+    with mlflow.start_run(run_name=run_name, tags={"eaglet.run_id": cfg.run_id, **(tags or {})}):
+        mlflow.log_params(flatten_config(cfg))
+        mlflow.log_text(config_as_yaml(cfg), "config/run.yaml")
+        yield Tracker(mlflow)

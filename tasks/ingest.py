@@ -1,0 +1,117 @@
+"""ingest stage: read every configured source into normalised prompt records, accounting for each item.
+
+Writes `data/prompts.jsonl` (PromptRecord per line) and `data/ingest_report.json`, where every input item
+is ok, error (with the reason and file:line) or skipped (with the reason), and the three add up to the input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from contract.config import DataSource, RunConfig
+from contract.records import Outcome, PromptRecord, Provenance, StageReport
+from tasks.artifacts import write_json, write_jsonl
+from tasks.assets import ASSETS, asset_path
+from tasks.ingest_formats import BadRecord, normalise
+from tasks.input_files import iter_items
+from tasks.progress import advance, progress_bar
+
+ASSET_FORMATS = {"mtbench": "mtbench", "sharegpt-dummy": "sharegpt", "humaneval": "humaneval", "chitchat": "chitchat"}
+
+
+@dataclass
+class IngestResult:
+    prompts_path: Path
+    report_path: Path
+    report: StageReport
+
+    def summary(self) -> dict[str, float]:
+        """Numbers worth tracking (MLflow metrics)."""
+        return {"input": self.report.input, "ok": self.report.ok, "error": self.report.error,
+                "skipped": self.report.skipped}
+
+    def reports(self) -> list[Path]:
+        """Small files worth attaching to the tracking run."""
+        return [self.report_path]
+
+
+def run(cfg: RunConfig) -> IngestResult:
+    """Ingest cfg.data.sources into `<output_dir>/data/`."""
+    if not cfg.data.sources:
+        raise ValueError("data.sources is empty: configure at least one file or embedded asset to ingest")
+    records: list[PromptRecord] = []
+    outcomes: list[Outcome] = []
+    source_of: dict[str, str] = {}
+    first_seen: dict[str, str] = {}
+    for source in cfg.data.sources:
+        for record, outcome in ingest_source(source, first_seen):
+            outcomes.append(outcome)
+            source_of[outcome.key] = source.name
+            if record is not None:
+                records.append(record)
+    report = StageReport.from_outcomes("ingest", outcomes, source_of)
+    data_dir = cfg.output_path / "data"
+    prompts_path = data_dir / "prompts.jsonl"
+    report_path = data_dir / "ingest_report.json"
+    write_jsonl(prompts_path, records)
+    write_json(report_path, report)
+    return IngestResult(prompts_path, report_path, report)
+
+
+def source_file(source: DataSource) -> tuple[Path, str, str]:
+    """The file to read, the format to read it as, and the portable name provenance records."""
+    if source.asset is not None:
+        fmt = source.format if source.format != "auto" else ASSET_FORMATS[source.asset]
+        asset = ASSETS[source.asset]
+        portable = f"{asset.distribution}=={asset.version}:{asset.relative_path}"
+        return asset_path(source.asset), fmt, portable
+    path = Path(source.path or "").expanduser()
+    return path, source.format, str(path)
+
+
+def ingest_source(source: DataSource, first_seen: dict[str, str]):
+    """Yield (record or None, outcome) for every item of one source; `first_seen` tracks ids across sources."""
+    path, fmt, portable = source_file(source)
+    accepted = 0
+    items = list(iter_items(path))
+    with progress_bar(f"ingest {source.name}", len(items)) as bar:
+        for item in items:
+            key = f"{source.name}/{portable}:{item.line}"
+            advance(bar)
+            if item.error is not None:
+                yield None, Outcome(key=key, status="error", reason=item.error)
+                continue
+            if source.limit is not None and accepted >= source.limit:
+                yield None, Outcome(key=key, status="skipped", reason=f"beyond data.sources '{source.name}' limit {source.limit}")
+                continue
+            try:
+                normalised = normalise(item.data, fmt, item.key)
+            except BadRecord as error:
+                yield None, Outcome(key=key, status="error", reason=f"{portable} item {item.line}: {error}")
+                continue
+            record_id = f"{source.name}:{normalised.original_id or content_id(item.data)}"
+            if record_id in first_seen:
+                yield None, Outcome(key=key, id=record_id, status="skipped", reason=f"duplicate id {record_id} (first at {first_seen[record_id]})")
+                continue
+            first_seen[record_id] = key
+            split = source.split if source.split != "auto" else normalised.split
+            record = PromptRecord(
+                id=record_id,
+                source=source.name,
+                messages=normalised.messages,
+                text=normalised.text,
+                split=split,
+                provenance=Provenance(file=portable, line=item.line, format=fmt, original_id=normalised.original_id),
+                metadata=normalised.metadata,
+            )
+            accepted += 1
+            yield record, Outcome(key=key, id=record_id, status="ok")
+
+
+def content_id(data: object) -> str:
+    """A stable id for an item that has none: the hash of its canonical JSON."""
+    canonical = json.dumps(data, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha1(canonical.encode("utf-8")).hexdigest()[:12]

@@ -1,0 +1,185 @@
+"""Normalising one raw input item of a known format into turns (or pre-templated text).
+
+Each reader takes the parsed item and returns a `Normalised`, or raises `BadRecord` with a reason that
+names the offending field. Role order is not judged here (the validate stage does); structure is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from contract.records import Message
+
+FORMATS = ("sharegpt", "openai", "text", "mtbench", "humaneval", "chitchat")
+
+ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "prompter": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "system": "system",
+    "developer": "system",
+}
+
+
+class BadRecord(ValueError):
+    """An input item that cannot be normalised; the message is the reason in the report."""
+
+
+@dataclass
+class Normalised:
+    messages: list[Message] = field(default_factory=list)
+    text: str | None = None
+    original_id: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    split: str = "auto"
+
+
+def detect_format(item: Any) -> str:
+    """Guess the format of one item from its keys."""
+    if not isinstance(item, dict):
+        raise BadRecord(f"expected a JSON object, got {type(item).__name__}")
+    if "conversations" in item or "conversation" in item:
+        return "sharegpt"
+    if "turns" in item:
+        return "mtbench"
+    if "task_id" in item and "prompt" in item:
+        return "humaneval"
+    messages = item.get("messages")
+    if isinstance(messages, list) and messages and all(isinstance(group, list) for group in messages):
+        return "chitchat"
+    if "messages" in item:
+        return "openai"
+    if "text" in item:
+        return "text"
+    raise BadRecord(f"cannot tell the format: no known field among {sorted(item)[:8]}")
+
+
+def normalise(item: Any, fmt: str, key: str | None = None) -> Normalised:
+    """Normalise `item` read as `fmt`; `key` is the item's key when the file is a JSON object of items."""
+    if not isinstance(item, dict):
+        raise BadRecord(f"expected a JSON object, got {type(item).__name__}")
+    reader = READERS[detect_format(item) if fmt == "auto" else fmt]
+    normalised = reader(item)
+    if normalised.original_id is None:
+        normalised.original_id = key if key is not None else first_id(item)
+    return normalised
+
+
+def first_id(item: dict[str, Any]) -> str | None:
+    for name in ("id", "conversation_id", "question_id", "task_id", "uuid"):
+        if item.get(name) not in (None, ""):
+            return str(item[name])
+    return None
+
+
+def text_of(value: Any, where: str) -> str:
+    """A turn's text: a string, or OpenAI content parts whose text parts are joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for index, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRecord(f"{where}[{index}]: only text content parts are supported, got {part!r:.60}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadRecord(f"{where}: expected a string, got {type(value).__name__}")
+
+
+def role_of(value: Any, where: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in ROLE_ALIASES:
+        raise BadRecord(f"{where}: unknown role {value!r}; known: {', '.join(sorted(ROLE_ALIASES))}")
+    return ROLE_ALIASES[value.strip().lower()]
+
+
+def read_turn_list(turns: Any, field_name: str, role_key: str, content_key: str) -> list[Message]:
+    if not isinstance(turns, list) or not turns:
+        raise BadRecord(f"'{field_name}' must be a non-empty list of turns")
+    messages = []
+    for index, turn in enumerate(turns):
+        where = f"{field_name}[{index}]"
+        if not isinstance(turn, dict):
+            raise BadRecord(f"{where}: expected an object, got {type(turn).__name__}")
+        keys = (role_key, content_key) if role_key in turn else ("role", "content")
+        if keys[0] not in turn or keys[1] not in turn:
+            raise BadRecord(f"{where}: needs '{role_key}' and '{content_key}' (or 'role' and 'content')")
+        role = role_of(turn[keys[0]], f"{where}.{keys[0]}")
+        messages.append(Message(role=role, content=text_of(turn[keys[1]], f"{where}.{keys[1]}")))
+    return messages
+
+
+def read_sharegpt(item: dict[str, Any]) -> Normalised:
+    name = "conversations" if "conversations" in item else "conversation"
+    messages = read_turn_list(item[name], name, "from", "value")
+    system = item.get("system")
+    if isinstance(system, str) and system.strip() and messages[0].role != "system":
+        messages.insert(0, Message(role="system", content=system))
+    return Normalised(messages=messages)
+
+
+def read_openai(item: dict[str, Any]) -> Normalised:
+    return Normalised(messages=read_turn_list(item["messages"], "messages", "role", "content"))
+
+
+def read_text(item: dict[str, Any]) -> Normalised:
+    text = item["text"]
+    if not isinstance(text, str) or not text.strip():
+        raise BadRecord("'text' must be a non-empty string")
+    return Normalised(text=text)
+
+
+def user_turns_with_slots(prompts: list[str]) -> list[Message]:
+    """User prompts, each followed by an empty assistant slot for the target to fill."""
+    messages = []
+    for prompt in prompts:
+        messages.append(Message(role="user", content=prompt))
+        messages.append(Message(role="assistant", content=None))
+    return messages
+
+
+def read_mtbench(item: dict[str, Any]) -> Normalised:
+    turns = item["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(turn, str) for turn in turns):
+        raise BadRecord("'turns' must be a non-empty list of strings")
+    metadata = {"category": str(item["category"])} if "category" in item else {}
+    return Normalised(messages=user_turns_with_slots(turns), metadata=metadata, split="eval")
+
+
+def read_humaneval(item: dict[str, Any]) -> Normalised:
+    prompt = item["prompt"]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise BadRecord("'prompt' must be a non-empty string")
+    return Normalised(messages=user_turns_with_slots([prompt]), original_id=str(item["task_id"]))
+
+
+def read_chitchat(item: dict[str, Any]) -> Normalised:
+    """Chitchat groups consecutive messages per speaker; speakers alternate user / assistant."""
+    groups = item.get("messages")
+    if not isinstance(groups, list) or not groups:
+        raise BadRecord("'messages' must be a non-empty list of message groups")
+    messages = []
+    for index, group in enumerate(groups):
+        if not isinstance(group, list) or not group:
+            raise BadRecord(f"messages[{index}]: expected a non-empty list of messages")
+        texts = [text_of(part.get("text") if isinstance(part, dict) else part, f"messages[{index}].text") for part in group]
+        role = "user" if index % 2 == 0 else "assistant"
+        messages.append(Message(role=role, content="\n".join(texts)))
+    return Normalised(messages=messages)
+
+
+READERS: dict[str, Callable[[dict[str, Any]], Normalised]] = {
+    "sharegpt": read_sharegpt,
+    "openai": read_openai,
+    "text": read_text,
+    "mtbench": read_mtbench,
+    "humaneval": read_humaneval,
+    "chitchat": read_chitchat,
+}

@@ -1,0 +1,86 @@
+"""Reading input files item by item, so that one broken line becomes one error, not a failed stage.
+
+Supported: JSONL (optionally .gz), JSON (an array of items, or an object mapping ids to items), parquet.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@dataclass
+class RawItem:
+    """One input item: parsed `data`, or `error` when it could not be parsed."""
+
+    line: int
+    data: Any = None
+    key: str | None = None
+    error: str | None = None
+
+
+def file_kind(path: Path) -> str:
+    name = path.name.lower()
+    for suffix, kind in ((".jsonl.gz", "jsonl"), (".jsonl", "jsonl"), (".json.gz", "json"), (".json", "json"), (".parquet", "parquet")):
+        if name.endswith(suffix):
+            return kind
+    raise ValueError(f"{path}: unsupported file type; expected .jsonl, .jsonl.gz, .json, .json.gz or .parquet")
+
+
+def open_text(path: Path):
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def iter_items(path: Path) -> Iterator[RawItem]:
+    """Yield every item of the file, numbered from 1 (line for JSONL, position otherwise)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: input file not found")
+    kind = file_kind(path)
+    if kind == "jsonl":
+        yield from iter_jsonl(path)
+    elif kind == "json":
+        yield from iter_json(path)
+    else:
+        yield from iter_parquet(path)
+
+
+def iter_jsonl(path: Path) -> Iterator[RawItem]:
+    with open_text(path) as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                yield RawItem(number, error="blank line")
+                continue
+            try:
+                yield RawItem(number, data=json.loads(line))
+            except json.JSONDecodeError as error:
+                yield RawItem(number, error=f"not valid JSON: {error.msg} at column {error.colno}")
+
+
+def iter_json(path: Path) -> Iterator[RawItem]:
+    try:
+        with open_text(path) as handle:
+            document = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        yield RawItem(1, error=f"file is not valid JSON: {error}")
+        return
+    if isinstance(document, list):
+        for number, item in enumerate(document, start=1):
+            yield RawItem(number, data=item)
+    elif isinstance(document, dict) and document and all(isinstance(value, dict) for value in document.values()):
+        for number, (key, item) in enumerate(document.items(), start=1):
+            yield RawItem(number, data=item, key=str(key))
+    else:
+        yield RawItem(1, data=document)
+
+
+def iter_parquet(path: Path) -> Iterator[RawItem]:
+    import pyarrow.parquet as parquet
+
+    table = parquet.read_table(path)
+    for number, row in enumerate(table.to_pylist(), start=1):
+        yield RawItem(number, data=row)

@@ -1,0 +1,227 @@
+"""target stage: materialise the target model as an HF directory with an immutable revision.
+
+Writes `<output_dir>/target/` (config, safetensors, tokenizer, chat template) and `<output_dir>/target.json`
+(id, source, revision = content hash of the source files, dims, tokenizer and template hashes).
+A rerun whose source files hash the same is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from contract.config import ModelConfig, RunConfig
+from contract.hashing import hash_files, hash_text
+from tasks.artifacts import atomic_directory, link_or_copy, read_json, write_json
+from tasks.assets import asset_path
+
+# Bump when the conversion of a source changes, so cached conversions are rebuilt.
+CONVERTER_VERSION = "1"
+WEIGHT_SUFFIXES = (".safetensors",)
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+class TargetInfo(BaseModel):
+    """The content of target.json: what later stages and the checkpoint contract pin."""
+
+    id: str
+    source: str
+    revision: str
+    converter_version: str
+    architecture: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+    pad_token_id: int | None
+    eos_token: str | None
+    tokenizer_hash: str
+    chat_template_hash: str | None
+    files: list[str]
+
+
+@dataclass
+class TargetResult:
+    directory: Path
+    info: TargetInfo
+    skipped: bool
+
+    def summary(self) -> dict[str, float]:
+        """Numbers worth tracking (MLflow metrics)."""
+        return {"num_hidden_layers": self.info.num_hidden_layers, "hidden_size": self.info.hidden_size,
+                "vocab_size": self.info.vocab_size, "skipped": float(self.skipped)}
+
+    def reports(self) -> list[Path]:
+        """Small files worth attaching to the tracking run (never the weights)."""
+        return [self.directory.parent / "target.json"]
+
+
+@dataclass
+class SourceFiles:
+    """The files a target is made from; their content hash is the target's revision."""
+
+    kind: str
+    root: Path
+    files: list[Path]
+    gguf_file: str | None = None
+
+
+def run(cfg: RunConfig) -> TargetResult:
+    """Materialise cfg.model into the run's output dir (skipped when already up to date)."""
+    out_dir = cfg.output_path / "target"
+    info_path = cfg.output_path / "target.json"
+    source = resolve_source(cfg.model)
+    revision = hash_files(source.files, root=source.root)
+    current = read_up_to_date_info(info_path, out_dir, revision, cfg.model.id)
+    if current is not None:
+        return TargetResult(out_dir, current, skipped=True)
+    if source.kind == "embedded":
+        converted = convert_gguf_cached(source, revision, cache_root(cfg))
+        source = SourceFiles("converted", converted, sorted(p for p in converted.iterdir() if p.is_file()))
+    with atomic_directory(out_dir) as staging:
+        copy_hf_directory(source, staging, cfg.model.trust_remote_code)
+        info = describe_target(staging, cfg.model, revision)
+    write_json(info_path, info)
+    return TargetResult(out_dir, info, skipped=False)
+
+
+def resolve_source(model: ModelConfig) -> SourceFiles:
+    """Find the source files of the configured target (never downloads)."""
+    if model.source == "embedded":
+        gguf = asset_path("smollm2-gguf")
+        return SourceFiles("embedded", gguf.parent, [gguf], gguf_file=gguf.name)
+    if model.source == "local":
+        root = Path(model.path or "").expanduser()
+        if not (root / "config.json").is_file():
+            raise FileNotFoundError(f"model.path '{root}': not an HF model directory (no config.json)")
+        return SourceFiles("local", root, source_files_of(root))
+    root = hub_cache_snapshot(model.id, model.revision)
+    return SourceFiles("hub", root, source_files_of(root))
+
+
+def hub_cache_snapshot(repo_id: str, revision: str | None) -> Path:
+    """The local HF cache snapshot of a hub id; this machine never downloads."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        raise FileNotFoundError(
+            f"model.id '{repo_id}' (revision {revision or 'main'}) is not in the local HF cache ({cache}); "
+            "eaglet does not download: fetch it on a connected machine, or set model.source=local "
+            "with model.path pointing to the directory"
+        ) from None
+
+
+def source_files_of(root: Path) -> list[Path]:
+    """The files of an HF directory that define the model: weights, config and tokenizer."""
+    files = [root / name for name in HF_SIDE_FILES if (root / name).is_file()]
+    files += [path for path in root.iterdir() if path.suffix in WEIGHT_SUFFIXES or path.suffix == ".bin"]
+    return sorted(set(files))
+
+
+def read_up_to_date_info(info_path: Path, out_dir: Path, revision: str, model_id: str) -> TargetInfo | None:
+    """target.json when it matches this revision and every file it lists is present, else None."""
+    if not info_path.is_file():
+        return None
+    try:
+        info = TargetInfo.model_validate(read_json(info_path))
+    except (ValueError, json.JSONDecodeError):
+        return None
+    fresh = info.revision == revision and info.converter_version == CONVERTER_VERSION and info.id == model_id
+    if fresh and all((out_dir / name).is_file() for name in info.files):
+        return info
+    return None
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    configured = cfg.runtime.cache_dir or os.environ.get("EAGLET_CACHE") or "~/.cache/eaglet"
+    return Path(configured).expanduser()
+
+
+def convert_gguf_cached(source: SourceFiles, revision: str, cache: Path) -> Path:
+    """Dequantise the GGUF once per (file hash, converter version) into the cache."""
+    from models.target_loading import dequantise_gguf
+
+    cached = cache / "targets" / f"{revision[:16]}-v{CONVERTER_VERSION}"
+    if (cached / "config.json").is_file():
+        return cached
+    print(f"[target] dequantising {source.gguf_file} once into {cached} (about 30 s)", flush=True)
+    model, tokenizer = dequantise_gguf(source.root, source.gguf_file or "")
+    with atomic_directory(cached) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+    return cached
+
+
+def copy_hf_directory(source: SourceFiles, destination: Path, trust_remote_code: bool) -> None:
+    """Copy safetensors weights and config; re-save the tokenizer so its chat template sits beside it."""
+    has_safetensors = any(path.suffix == ".safetensors" for path in source.files)
+    if has_safetensors:
+        for path in source.files:
+            if path.suffix != ".bin":
+                link_or_copy(path, destination / path.name)
+    else:
+        resave_as_safetensors(source.root, destination, trust_remote_code)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.root, trust_remote_code=trust_remote_code)
+    tokenizer.save_pretrained(destination)
+
+
+def resave_as_safetensors(root: Path, destination: Path, trust_remote_code: bool) -> None:
+    """A directory with only .bin weights: load them (weights_only, via transformers) and save safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(root, trust_remote_code=trust_remote_code)
+    model.save_pretrained(destination, safe_serialization=True)
+
+
+def describe_target(directory: Path, model: ModelConfig, revision: str) -> TargetInfo:
+    """Read dims and special tokens from the materialised directory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=model.trust_remote_code)
+    text_config: Any = config.get_text_config() if hasattr(config, "get_text_config") else config
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    tokenizer_files = [directory / name for name in ("tokenizer.json", "tokenizer_config.json") if (directory / name).is_file()]
+    return TargetInfo(
+        id=model.id if model.source != "local" else str(model.path),
+        source=model.source,
+        revision=revision,
+        converter_version=CONVERTER_VERSION,
+        architecture=(config.architectures or ["unknown"])[0],
+        num_hidden_layers=text_config.num_hidden_layers,
+        hidden_size=text_config.hidden_size,
+        vocab_size=text_config.vocab_size,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token=tokenizer.eos_token,
+        tokenizer_hash=hash_files(tokenizer_files, root=directory),
+        chat_template_hash=hash_text(template) if template else None,
+        files=sorted(path.name for path in directory.iterdir() if path.is_file()),
+    )
