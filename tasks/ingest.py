@@ -104,7 +104,7 @@ def ingest_source(source: DataSource, first_seen: dict[str, str]):
                 messages=normalised.messages,
                 text=normalised.text,
                 split=split,
-                provenance=Provenance(file=portable, line=item.line, format=fmt, original_id=normalised.original_id),
+                provenance=Provenance(file=portable, line=item.line, format=normalised.format, original_id=normalised.original_id),
                 metadata=normalised.metadata,
             )
             accepted += 1

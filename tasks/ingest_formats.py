@@ -40,24 +40,26 @@ class Normalised:
     original_id: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     split: str = "auto"
+    format: str = ""
 
 
 def detect_format(item: Any) -> str:
     """Guess the format of one item from its keys."""
     if not isinstance(item, dict):
         raise BadRecord(f"expected a JSON object, got {type(item).__name__}")
-    if "conversations" in item or "conversation" in item:
+    present = {key for key, value in item.items() if value is not None}
+    if present & {"conversations", "conversation"}:
         return "sharegpt"
-    if "turns" in item:
+    if "turns" in present:
         return "mtbench"
-    if "task_id" in item and "prompt" in item:
+    if {"task_id", "prompt"} <= present:
         return "humaneval"
     messages = item.get("messages")
     if isinstance(messages, list) and messages and all(isinstance(group, list) for group in messages):
         return "chitchat"
-    if "messages" in item:
+    if "messages" in present:
         return "openai"
-    if "text" in item:
+    if "text" in present:
         return "text"
     raise BadRecord(f"cannot tell the format: no known field among {sorted(item)[:8]}")
 
@@ -66,8 +68,12 @@ def normalise(item: Any, fmt: str, key: str | None = None) -> Normalised:
     """Normalise `item` read as `fmt`; `key` is the item's key when the file is a JSON object of items."""
     if not isinstance(item, dict):
         raise BadRecord(f"expected a JSON object, got {type(item).__name__}")
-    reader = READERS[detect_format(item) if fmt == "auto" else fmt]
-    normalised = reader(item)
+    resolved = detect_format(item) if fmt == "auto" else fmt
+    try:
+        normalised = READERS[resolved](item)
+    except KeyError as missing:
+        raise BadRecord(f"missing field {missing.args[0]!r} required by format '{resolved}'") from None
+    normalised.format = resolved
     if normalised.original_id is None:
         normalised.original_id = key if key is not None else first_id(item)
     return normalised
@@ -108,8 +114,8 @@ def read_turn_list(turns: Any, field_name: str, role_key: str, content_key: str)
         where = f"{field_name}[{index}]"
         if not isinstance(turn, dict):
             raise BadRecord(f"{where}: expected an object, got {type(turn).__name__}")
-        keys = (role_key, content_key) if role_key in turn else ("role", "content")
-        if keys[0] not in turn or keys[1] not in turn:
+        keys = (role_key, content_key) if turn.get(role_key) is not None else ("role", "content")
+        if turn.get(keys[0]) is None or turn.get(keys[1]) is None:
             raise BadRecord(f"{where}: needs '{role_key}' and '{content_key}' (or 'role' and 'content')")
         role = role_of(turn[keys[0]], f"{where}.{keys[0]}")
         messages.append(Message(role=role, content=text_of(turn[keys[1]], f"{where}.{keys[1]}")))

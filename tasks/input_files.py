@@ -30,10 +30,10 @@ def file_kind(path: Path) -> str:
     raise ValueError(f"{path}: unsupported file type; expected .jsonl, .jsonl.gz, .json, .json.gz or .parquet")
 
 
-def open_text(path: Path):
+def open_binary(path: Path):
     if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rb")
+    return open(path, "rb")
 
 
 def iter_items(path: Path) -> Iterator[RawItem]:
@@ -50,8 +50,13 @@ def iter_items(path: Path) -> Iterator[RawItem]:
 
 
 def iter_jsonl(path: Path) -> Iterator[RawItem]:
-    with open_text(path) as handle:
-        for number, line in enumerate(handle, start=1):
+    with open_binary(path) as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield RawItem(number, error=f"not valid UTF-8: {error.reason} at byte {error.start}")
+                continue
             if not line.strip():
                 yield RawItem(number, error="blank line")
                 continue
@@ -63,8 +68,8 @@ def iter_jsonl(path: Path) -> Iterator[RawItem]:
 
 def iter_json(path: Path) -> Iterator[RawItem]:
     try:
-        with open_text(path) as handle:
-            document = json.load(handle)
+        with open_binary(path) as handle:
+            document = json.loads(handle.read().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         yield RawItem(1, error=f"file is not valid JSON: {error}")
         return

@@ -23,7 +23,6 @@ from tasks.assets import asset_path
 
 # Bump when the conversion of a source changes, so cached conversions are rebuilt.
 CONVERTER_VERSION = "1"
-WEIGHT_SUFFIXES = (".safetensors",)
 HF_SIDE_FILES = (
     "config.json",
     "generation_config.json",
@@ -92,7 +91,7 @@ def run(cfg: RunConfig) -> TargetResult:
     info_path = cfg.output_path / "target.json"
     source = resolve_source(cfg.model)
     revision = hash_files(source.files, root=source.root)
-    current = read_up_to_date_info(info_path, out_dir, revision, cfg.model.id)
+    current = read_up_to_date_info(info_path, out_dir, revision, target_id(cfg.model))
     if current is not None:
         return TargetResult(out_dir, current, skipped=True)
     if source.kind == "embedded":
@@ -119,17 +118,23 @@ def resolve_source(model: ModelConfig) -> SourceFiles:
     return SourceFiles("hub", root, source_files_of(root))
 
 
+def target_id(model: ModelConfig) -> str:
+    """The name the contract records: the hub id, or the directory for a local target."""
+    return str(model.path) if model.source == "local" else model.id
+
+
 def hub_cache_snapshot(repo_id: str, revision: str | None) -> Path:
     """The local HF cache snapshot of a hub id; this machine never downloads."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    cache = os.environ.get("HF_HUB_CACHE")
     try:
-        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
     except LocalEntryNotFoundError:
-        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
         raise FileNotFoundError(
-            f"model.id '{repo_id}' (revision {revision or 'main'}) is not in the local HF cache ({cache}); "
+            f"model.id '{repo_id}' (revision {revision or 'main'}) is not in the local HF cache "
+            f"({cache or 'default HF cache'}); "
             "eaglet does not download: fetch it on a connected machine, or set model.source=local "
             "with model.path pointing to the directory"
         ) from None
@@ -138,8 +143,13 @@ def hub_cache_snapshot(repo_id: str, revision: str | None) -> Path:
 def source_files_of(root: Path) -> list[Path]:
     """The files of an HF directory that define the model: weights, config and tokenizer."""
     files = [root / name for name in HF_SIDE_FILES if (root / name).is_file()]
-    files += [path for path in root.iterdir() if path.suffix in WEIGHT_SUFFIXES or path.suffix == ".bin"]
-    return sorted(set(files))
+    weights = [path for path in root.iterdir() if path.suffix == ".safetensors"]
+    if not weights:
+        raise FileNotFoundError(
+            f"{root}: no *.safetensors weights; eaglet loads safetensors only (convert pickled .bin "
+            "weights with transformers' save_pretrained on a trusted machine first)"
+        )
+    return sorted(set(files + weights))
 
 
 def read_up_to_date_info(info_path: Path, out_dir: Path, revision: str, model_id: str) -> TargetInfo | None:
@@ -177,26 +187,18 @@ def convert_gguf_cached(source: SourceFiles, revision: str, cache: Path) -> Path
 
 
 def copy_hf_directory(source: SourceFiles, destination: Path, trust_remote_code: bool) -> None:
-    """Copy safetensors weights and config; re-save the tokenizer so its chat template sits beside it."""
-    has_safetensors = any(path.suffix == ".safetensors" for path in source.files)
-    if has_safetensors:
-        for path in source.files:
-            if path.suffix != ".bin":
-                link_or_copy(path, destination / path.name)
-    else:
-        resave_as_safetensors(source.root, destination, trust_remote_code)
+    """Link the (immutable) safetensors weights, copy the small files, and re-save the tokenizer so its
+    chat template sits beside it. Small files are copied, never linked: re-saving writes into them."""
     from transformers import AutoTokenizer
+
+    for path in source.files:
+        if path.suffix == ".safetensors":
+            link_or_copy(path, destination / path.name)
+        else:
+            shutil.copy2(path, destination / path.name)
 
     tokenizer = AutoTokenizer.from_pretrained(source.root, trust_remote_code=trust_remote_code)
     tokenizer.save_pretrained(destination)
-
-
-def resave_as_safetensors(root: Path, destination: Path, trust_remote_code: bool) -> None:
-    """A directory with only .bin weights: load them (weights_only, via transformers) and save safetensors."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(root, trust_remote_code=trust_remote_code)
-    model.save_pretrained(destination, safe_serialization=True)
 
 
 def describe_target(directory: Path, model: ModelConfig, revision: str) -> TargetInfo:
@@ -209,7 +211,7 @@ def describe_target(directory: Path, model: ModelConfig, revision: str) -> Targe
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
     tokenizer_files = [directory / name for name in ("tokenizer.json", "tokenizer_config.json") if (directory / name).is_file()]
     return TargetInfo(
-        id=model.id if model.source != "local" else str(model.path),
+        id=target_id(model),
         source=model.source,
         revision=revision,
         converter_version=CONVERTER_VERSION,

@@ -1,0 +1,129 @@
+"""The run contract: loading, overrides, and every kind of rejection, each naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from contract.config import RunConfig
+from contract.config_loading import ConfigError, config_as_yaml, flatten_config, load_config
+from flows.cli import app
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ["model", "data", "regeneration", "validation", "capture", "training", "evaluation",
+            "benchmark", "tracking", "registry", "deployment", "runtime"]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_every_section_exists_and_defaults_validate() -> None:
+    cfg = load_config(None)
+    for section in SECTIONS:
+        assert hasattr(cfg, section), section
+    assert cfg.run_id == "embedded-default"
+    assert cfg.output_path == Path("artifacts/embedded-default")
+
+
+@pytest.mark.parametrize("name", ["params.yaml", "configs/embedded-default.yaml", "configs/ci-tiny.yaml",
+                                  "configs/llama31-8b-sglang.yaml"])
+def test_shipped_configs_validate(name: str) -> None:
+    cfg = load_config(REPO_ROOT / name)
+    assert cfg.run_id
+    assert cfg.data.sources, f"{name} ingests nothing"
+
+
+def test_gpu_recipe_is_the_real_thing() -> None:
+    cfg = load_config(REPO_ROOT / "configs/llama31-8b-sglang.yaml")
+    assert cfg.model.source == "hub" and cfg.model.id == "meta-llama/Llama-3.1-8B-Instruct"
+    assert cfg.benchmark.engines == ["sglang"]
+    assert cfg.deployment.trainer.nproc_per_node == 8
+
+
+def test_params_yaml_is_the_embedded_default() -> None:
+    cfg = load_config(REPO_ROOT / "params.yaml")
+    assert cfg.model.source == "embedded"
+    assert (REPO_ROOT / "configs/embedded-default.yaml").resolve() == (REPO_ROOT / "params.yaml").resolve()
+    mtbench = [source for source in cfg.data.sources if source.asset == "mtbench"]
+    assert mtbench and mtbench[0].split == "eval"
+
+
+def test_overrides_keep_yaml_types(tmp_path: Path) -> None:
+    path = write(tmp_path, "run_id: base\ntraining:\n  learning_rate: 0.001\n")
+    cfg = load_config(path, ["training.learning_rate=3e-4", "training.ttt_length=5", "tracking.enabled=false",
+                             "capture.aux_layer_ids=[1, 2, 3]", "run_id=override"])
+    assert cfg.training.learning_rate == pytest.approx(3e-4)
+    assert cfg.training.ttt_length == 5
+    assert cfg.tracking.enabled is False
+    assert cfg.capture.aux_layer_ids == [1, 2, 3]
+    assert cfg.run_id == "override"
+
+
+def test_round_trip_through_yaml(tmp_path: Path) -> None:
+    cfg = load_config(REPO_ROOT / "configs/llama31-8b-sglang.yaml")
+    again = load_config(write(tmp_path, config_as_yaml(cfg)))
+    assert again == cfg
+    flat = flatten_config(cfg)
+    assert flat["training.ttt_length"] == "7"
+    assert flat["deployment.trainer.nproc_per_node"] == "8"
+
+
+def rejection(tmp_path: Path, text: str, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, text), overrides or [])
+    return str(caught.value)
+
+
+def test_misspelt_key_suggests_the_right_one(tmp_path: Path) -> None:
+    message = rejection(tmp_path, "training:\n  lerning_rate: 0.1\n")
+    assert "run.yaml" in message
+    assert "unknown field 'lerning_rate' in training; did you mean 'learning_rate'?" in message
+
+
+def test_misspelt_section_and_nested_keys(tmp_path: Path) -> None:
+    assert "unknown field 'trainng' in the run config; did you mean 'training'?" in rejection(tmp_path, "trainng: {}\n")
+    nested = rejection(tmp_path, "deployment:\n  trainer:\n    nproc_per_nod: 2\n")
+    assert "deployment.trainer" in nested and "did you mean 'nproc_per_node'?" in nested
+    in_list = rejection(tmp_path, "data:\n  sources:\n    - name: a\n      path: x.jsonl\n      limt: 3\n")
+    assert "data.sources.0" in in_list and "did you mean 'limit'?" in in_list
+
+
+def test_wrong_types_and_ranges_name_the_field(tmp_path: Path) -> None:
+    message = rejection(tmp_path, "training:\n  learning_rate: fast\n  ttt_length: 0\n")
+    assert "training.learning_rate" in message and "'fast'" in message
+    assert "training.ttt_length" in message
+    assert "regeneration.backend" in rejection(tmp_path, "regeneration:\n  backend: carrier-pigeon\n")
+
+
+def test_semantic_rules(tmp_path: Path) -> None:
+    assert "needs model.path" in rejection(tmp_path, "model:\n  source: local\n")
+    assert "exactly one of 'path' or 'asset'" in rejection(tmp_path, "data:\n  sources:\n    - name: a\n")
+    duplicate = "data:\n  sources:\n    - {name: a, asset: mtbench}\n    - {name: a, asset: humaneval}\n"
+    assert "repeated: a" in rejection(tmp_path, duplicate)
+
+
+def test_bad_files_and_bad_overrides(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    assert "not valid YAML" in rejection(tmp_path, "training: [unclosed\n")
+    assert "top level must be a mapping" in rejection(tmp_path, "- a\n- b\n")
+    assert "expected section.field=value" in rejection(tmp_path, "", ["training.learning_rate"])
+    assert "is a value, not a section" in rejection(tmp_path, "run_id: a\n", ["run_id.x=1"])
+    assert "did you mean 'max_steps'" in rejection(tmp_path, "", ["training.max_step=3"])
+
+
+def test_cli_config_commands(tmp_path: Path) -> None:
+    runner = CliRunner()
+    shown = runner.invoke(app, ["config", "show", "--config", str(REPO_ROOT / "params.yaml"), "training.ttt_length=3"])
+    assert shown.exit_code == 0, shown.output
+    assert RunConfig.model_validate(__import__("yaml").safe_load(shown.output)).training.ttt_length == 3
+    bad = runner.invoke(app, ["config", "validate", "--config", str(write(tmp_path, "training:\n  lerning_rate: 1\n"))])
+    assert bad.exit_code == 2
+    assert "did you mean 'learning_rate'" in bad.output
+    good = runner.invoke(app, ["config", "validate", "--config", str(REPO_ROOT / "configs/ci-tiny.yaml")])
+    assert good.exit_code == 0 and "ok" in good.output
