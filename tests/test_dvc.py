@@ -1,0 +1,68 @@
+"""dvc.yaml as shipped: `dvc repro` of target + ingest in a temporary git repository."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from pipeline_inputs import tiny_run_config, write_conversations
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def stage_code_deps() -> list[str]:
+    """Every code file dvc.yaml names as a dependency."""
+    stages = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
+    return sorted({dep for stage in stages.values() for dep in stage.get("deps", [])})
+
+
+def run(command: list[str], cwd: Path) -> str:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    completed = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, f"{' '.join(command)}\n{completed.stdout}\n{completed.stderr}"
+    return completed.stdout + completed.stderr
+
+
+def dvc(*arguments: str, cwd: Path) -> str:
+    return run([sys.executable, "-m", "dvc", *arguments], cwd)
+
+
+def test_dvc_repro_runs_target_and_ingest(tmp_path: Path, tiny_target_dir: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    run(["git", "init", "-q"], repo)
+    dvc("init", "-q", cwd=repo)
+    dvc("config", "core.analytics", "false", cwd=repo)
+    shutil.copy(REPO_ROOT / "dvc.yaml", repo / "dvc.yaml")
+    for dep in stage_code_deps():
+        (repo / dep).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO_ROOT / dep, repo / dep)
+    write_conversations(repo / "inputs" / "chats.jsonl")
+    params = tiny_run_config("artifacts/tiny", tiny_target_dir, "inputs/chats.jsonl", {"enabled": False})
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+
+    dvc("repro", cwd=repo)
+    report = json.loads((repo / "artifacts/tiny/data/ingest_report.json").read_text())
+    assert (report["input"], report["ok"], report["error"]) == (84, 6, 1)
+    assert (repo / "artifacts/tiny/target/model.safetensors").is_file()
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert set(lock["stages"]) == {"target", "ingest"}
+    assert lock["stages"]["target"]["params"]["params.yaml"]["model"]["source"] == "local"
+
+    assert "changed" not in dvc("status", cwd=repo)
+    second = dvc("repro", cwd=repo)
+    assert "didn't change" in second or "skipping" in second.lower()
+
+    params["data"]["sources"][1]["limit"] = 5
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    status = dvc("status", cwd=repo)
+    assert "ingest" in status and "target" not in status, status
+    dvc("repro", cwd=repo)
+    report = json.loads((repo / "artifacts/tiny/data/ingest_report.json").read_text())
+    assert report["ok"] == 8
