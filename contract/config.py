@@ -70,17 +70,36 @@ class DataConfig(Section):
 
 
 class RegenerationConfig(Section):
+    """How the target rewrites assistant turns.
+
+    backend = local: transformers in-process, batched with left padding.
+    backend = openai: an OpenAI-compatible server at `base_url`, or, when `base_url` is unset, the engine
+    named by `engine` started for the stage (see runtime.engines).
+    """
+
     enabled: bool = True
     backend: Literal["local", "openai"] = "local"
     base_url: Optional[str] = None
+    engine: Optional[Literal["vllm", "sglang"]] = None
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(default=256, ge=1)
     batch_size: int = Field(default=8, ge=1)
     concurrency: int = Field(default=8, ge=1)
+    request_timeout_s: float = Field(default=300.0, gt=0.0)
+    max_retries: int = Field(default=5, ge=0)
+    backoff_initial_s: float = Field(default=1.0, gt=0.0)
+    backoff_max_s: float = Field(default=30.0, gt=0.0)
+    chunk_records: int = Field(default=16, ge=1)
     seed: int = 0
     supervise: Literal["all", "last"] = "all"
     reasoning: Literal["off", "save"] = "off"
+
+    @model_validator(mode="after")
+    def _openai_needs_a_server(self) -> "RegenerationConfig":
+        if self.backend == "openai" and not self.base_url and not self.engine:
+            raise ValueError("regeneration.backend 'openai' needs regeneration.base_url or regeneration.engine")
+        return self
 
 
 class ValidationConfig(Section):
@@ -161,11 +180,29 @@ class DeploymentConfig(Section):
     trainer: TrainerDeployment = Field(default_factory=TrainerDeployment)
 
 
+class EngineConfig(Section):
+    """A serving engine run as a separate process from its own environment (DESIGN §6)."""
+
+    python: str = Field(description="Python of the engine's own virtualenv")
+    port: int = Field(default=8100, ge=1, le=65535)
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = Field(default=600.0, gt=0.0)
+
+
+def default_engines() -> dict[str, EngineConfig]:
+    return {
+        "vllm": EngineConfig(python=".venv-vllm/bin/python", port=8100, env={"VLLM_CPU_KVCACHE_SPACE": "2"}),
+        "sglang": EngineConfig(python=".venv-sglang/bin/python", port=30000),
+    }
+
+
 class RuntimeConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: Optional[int] = Field(default=None, ge=1)
     seed: int = 0
     cache_dir: Optional[str] = None
+    engines: dict[Literal["vllm", "sglang"], EngineConfig] = Field(default_factory=default_engines)
 
 
 class RunConfig(Section):
