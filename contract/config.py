@@ -6,6 +6,7 @@ Fields for later stages live here too, so that a recipe written today keeps vali
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -103,10 +104,35 @@ class RegenerationConfig(Section):
 
 
 class ValidationConfig(Section):
+    """The data contract of the validate stage and its train/eval split."""
+
     max_length: int = Field(default=2048, ge=8)
     eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     seed: int = 0
     max_error_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    expectation_thresholds: dict[str, float] = Field(
+        default_factory=dict,
+        description="per-expectation cap on the fraction of input lines failing it, by expectation name "
+        "(e.g. supervised_tokens_after_truncation: 0.2); exceeding one fails the stage",
+    )
+    conversation_id_pattern: str = Field(
+        default=r"^(?P<conversation>.+?)(?:_\d+)?$",
+        description="regex over a record's original id whose group 'conversation' names its conversation "
+        "(the default drops ShareGPT's '_<n>' part suffix)",
+    )
+
+    @model_validator(mode="after")
+    def _thresholds_and_pattern(self) -> "ValidationConfig":
+        bad = sorted(name for name, value in self.expectation_thresholds.items() if not 0.0 <= value <= 1.0)
+        if bad:
+            raise ValueError(f"validation.expectation_thresholds must lie in [0, 1]; out of range: {', '.join(bad)}")
+        try:
+            compiled = re.compile(self.conversation_id_pattern)
+        except re.error as error:
+            raise ValueError(f"validation.conversation_id_pattern is not a valid regex: {error}") from None
+        if "conversation" not in compiled.groupindex:
+            raise ValueError("validation.conversation_id_pattern needs a named group 'conversation'")
+        return self
 
 
 class CaptureConfig(Section):

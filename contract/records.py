@@ -103,6 +103,7 @@ class StageReport(Record):
     error: int = 0
     skipped: int = 0
     by_source: dict[str, dict[str, int]] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)
     outcomes: list[Outcome] = Field(default_factory=list)
 
     @classmethod

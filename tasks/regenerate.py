@@ -1,0 +1,284 @@
+"""regenerate stage: the target rewrites every assistant turn, so the drafter learns the target's own text.
+
+User and system turns are kept; each assistant turn is one generation event whose history holds the
+turns before it, earlier assistant turns being the regenerated ones (without reasoning). Records are
+processed in chunks; within a chunk, turn k of every record is generated together, then turn k+1.
+Each finished chunk is committed to a journal, so a killed run resumes without loss or duplicates.
+
+Writes `data/regenerated.jsonl` (records with their generation parameters) and
+`data/regenerate_report.json` (every input id: ok, error + reason, or skipped + reason; tokens/s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from contract.config import RunConfig
+from contract.reasoning import ReasoningError, split_reasoning
+from contract.records import GenerationParams, Message, Outcome, PromptRecord, StageReport, TurnGeneration
+from tasks.artifacts import read_json, write_json, write_jsonl
+from tasks.generation import GenerationRequest, Generator
+from tasks.journal import Journal
+from tasks.progress import advance, progress_bar
+
+
+class PlanError(ValueError):
+    """A record whose turns cannot be regenerated; the message is its error reason."""
+
+
+@dataclass
+class RegenerateResult:
+    output_path: Path
+    report_path: Path
+    report: StageReport
+
+    def summary(self) -> dict[str, float]:
+        counts = {"input": self.report.input, "ok": self.report.ok, "error": self.report.error, "skipped": self.report.skipped}
+        return {**counts, **self.report.metrics}
+
+    def reports(self) -> list[Path]:
+        return [self.report_path]
+
+
+@dataclass
+class PendingRecord:
+    """A record on its way through the rounds of a chunk."""
+
+    key: str
+    record: PromptRecord
+    messages: list[Message]
+    turns: list[TurnGeneration] = field(default_factory=list)
+    error: Optional[str] = None
+
+    @property
+    def slots(self) -> list[int]:
+        return [index for index, message in enumerate(self.messages) if message.role == "assistant"]
+
+
+def run(cfg: RunConfig) -> RegenerateResult:
+    """Regenerate `data/prompts.jsonl` into `data/regenerated.jsonl`, resuming a journal if one exists."""
+    data_dir = cfg.output_path / "data"
+    target_info = read_json(cfg.output_path / "target.json")
+    records = read_prompts(data_dir / "prompts.jsonl")
+    params = generation_params(cfg, target_info)
+    journal = Journal(data_dir / "regenerate.journal.jsonl", fingerprint(records, params, cfg))
+    done = journal.load()
+    todo = [(key, record) for key, record in records if key not in done]
+    stats = {"completion_tokens": 0.0, "generation_seconds": 0.0, "records": 0.0}
+    if todo:
+        with ExitStack() as stack:
+            generator = open_generator(cfg, stack) if cfg.regeneration.enabled else None
+            with progress_bar("regenerate", len(todo)) as bar:
+                for chunk in chunks(todo, cfg.regeneration.chunk_records):
+                    entries = regenerate_chunk(chunk, generator, cfg, params, stats)
+                    journal.commit(entries)
+                    done.update((entry["key"], entry) for entry in entries)
+                    advance(bar, len(chunk))
+    return finish(cfg, records, done, stats, journal)
+
+
+def read_prompts(path: Path) -> list[tuple[str, PromptRecord]]:
+    """(outcome key, record) per line of prompts.jsonl; ingest wrote it, so a bad line is a hard error."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                records.append((f"prompts.jsonl:{number}", PromptRecord.model_validate_json(line)))
+            except ValueError as error:
+                raise ValueError(f"{path}:{number}: not a prompt record: {error}") from None
+    return records
+
+
+def generation_params(cfg: RunConfig, target_info: dict[str, Any]) -> GenerationParams:
+    settings = cfg.regeneration
+    backend = settings.backend if settings.enabled else "source"
+    return GenerationParams(
+        backend=backend if backend != "openai" else f"openai:{settings.base_url or settings.engine}",
+        model_id=target_info["id"],
+        model_revision=target_info["revision"],
+        template_hash=target_info["chat_template_hash"],
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        max_new_tokens=settings.max_new_tokens,
+        seed=settings.seed,
+        reasoning=settings.reasoning,
+        stop_tokens=[target_info["eos_token"]] if target_info.get("eos_token") else [],
+    )
+
+
+def fingerprint(records: list[tuple[str, PromptRecord]], params: GenerationParams, cfg: RunConfig) -> str:
+    """Identifies inputs + settings; a journal from a different fingerprint is not resumed."""
+    digest = hashlib.sha256()
+    digest.update(params.model_dump_json().encode())
+    digest.update(cfg.regeneration.model_dump_json().encode())
+    for key, record in records:
+        digest.update(key.encode() + record.model_dump_json().encode())
+    return digest.hexdigest()
+
+
+def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
+    """The configured backend; an engine started for the stage is stopped when `stack` closes."""
+    settings = cfg.regeneration
+    target_dir = cfg.output_path / "target"
+    if settings.backend == "local":
+        from tasks.generation_local import LocalGenerator
+
+        return LocalGenerator(target_dir, settings, cfg.model.dtype)
+    from tasks.generation_openai import OpenAIGenerator
+
+    base_url = settings.base_url
+    if base_url is None:
+        from tasks.engine import EngineLaunch, serve
+
+        engine = cfg.runtime.engines[settings.engine]
+        launch = EngineLaunch(
+            kind=settings.engine, model=target_dir, python=engine.python, port=engine.port,
+            log_path=cfg.output_path / "logs" / f"regenerate-{settings.engine}.log",
+            extra_args=engine.extra_args, env=engine.env, startup_timeout_s=engine.startup_timeout_s,
+        )
+        base_url = stack.enter_context(serve(launch)).base_url
+    return OpenAIGenerator(base_url, settings)
+
+
+def chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[start:start + size] for start in range(0, len(items), size)]
+
+
+def plan_messages(record: PromptRecord, supervise: str, keep_responses: bool) -> list[Message]:
+    """The turns to fill: assistant contents cleared (unless kept), a final slot after a trailing user turn."""
+    if record.text is not None:
+        raise PlanError("pre-templated text has no turns to regenerate")
+    roles = [message.role for message in record.messages]
+    if "user" not in roles:
+        raise PlanError("no user turn to answer")
+    first_turn = next(role for role in roles if role != "system")
+    if first_turn == "assistant":
+        raise PlanError("an assistant turn comes before the first user turn")
+    messages = []
+    for message in record.messages:
+        if message.role == "assistant" and not keep_responses:
+            messages.append(Message(role="assistant"))
+        else:
+            messages.append(message.model_copy())
+    if messages[-1].role != "assistant":
+        messages.append(Message(role="assistant"))
+    slots = [index for index, message in enumerate(messages) if message.role == "assistant"]
+    for index in slots:
+        messages[index].supervised = supervise == "all" or index == slots[-1]
+    if keep_responses and any(messages[index].content is None for index in slots):
+        raise PlanError("an assistant turn is empty and regeneration is disabled")
+    return messages
+
+
+def request_seed(base_seed: int, record_id: str, turn: int) -> int:
+    digest = hashlib.sha256(f"{base_seed}:{record_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def history(messages: list[Message], turn: int) -> list[dict[str, str]]:
+    """Chat messages before `turn`; earlier assistant turns carry their answer only, never reasoning."""
+    return [{"role": message.role, "content": message.content or ""} for message in messages[:turn]]
+
+
+def regenerate_chunk(chunk: list[tuple[str, PromptRecord]], generator: Optional[Generator], cfg: RunConfig,
+                     params: GenerationParams, stats: dict[str, float]) -> list[dict[str, Any]]:
+    """Generate every turn of the chunk's records, round by round; return journal entries."""
+    settings = cfg.regeneration
+    pending: list[PendingRecord] = []
+    entries: list[dict[str, Any]] = []
+    for key, record in chunk:
+        try:
+            pending.append(PendingRecord(key, record, plan_messages(record, settings.supervise, generator is None)))
+        except PlanError as problem:
+            status = "skipped" if record.text is not None else "error"
+            entries.append(entry_for(key, record.id, status, str(problem)))
+    if generator is not None:
+        run_rounds(pending, generator, settings, stats)
+    for item in pending:
+        if item.error is not None:
+            entries.append(entry_for(item.key, item.record.id, "error", item.error))
+            continue
+        finished = item.record.model_copy(update={"messages": item.messages, "generation": params.model_copy(update={"turns": item.turns})})
+        entries.append(entry_for(item.key, item.record.id, "ok", None, finished))
+    stats["records"] += len(chunk)
+    return sorted(entries, key=lambda entry: int(entry["key"].rsplit(":", 1)[1]))
+
+
+def run_rounds(pending: list[PendingRecord], generator: Generator, settings, stats: dict[str, float]) -> None:
+    """Round k writes the k-th assistant turn of every record still going."""
+    rounds = max((len(item.slots) for item in pending), default=0)
+    for round_index in range(rounds):
+        active = [item for item in pending if item.error is None and round_index < len(item.slots)]
+        requests = []
+        for item in active:
+            turn = item.slots[round_index]
+            requests.append(GenerationRequest(item.record.id, turn, history(item.messages, turn),
+                                              request_seed(settings.seed, item.record.id, turn)))
+        started = time.perf_counter()
+        replies = generator.generate(requests)
+        stats["generation_seconds"] += time.perf_counter() - started
+        for item, reply in zip(active, replies):
+            stats["completion_tokens"] += reply.completion_tokens
+            apply_reply(item, reply, settings.reasoning)
+
+
+def apply_reply(item: PendingRecord, reply, reasoning_mode: str) -> None:
+    if reply.error is not None:
+        item.error = f"turn {reply.turn}: {reply.error}"
+        return
+    try:
+        content, reasoning = split_reasoning(reply.text or "", reasoning_mode, reply.reasoning)
+    except ReasoningError as problem:
+        item.error = f"turn {reply.turn}: {problem}"
+        return
+    message = item.messages[reply.turn]
+    message.content = content
+    message.reasoning_content = reasoning
+    item.turns.append(TurnGeneration(turn=reply.turn, finish_reason=reply.finish_reason, completion_tokens=reply.completion_tokens))
+
+
+def entry_for(key: str, record_id: str, status: str, reason: Optional[str], record: Optional[PromptRecord] = None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"key": key, "outcome": Outcome(key=key, id=record_id, status=status, reason=reason).model_dump(mode="json")}
+    if record is not None:
+        entry["record"] = record.model_dump(mode="json", exclude_none=True)
+    return entry
+
+
+def finish(cfg: RunConfig, records: list[tuple[str, PromptRecord]], done: dict[str, dict[str, Any]],
+           stats: dict[str, float], journal: Journal) -> RegenerateResult:
+    """Write the records in input order and the balanced report, then drop the journal."""
+    data_dir = cfg.output_path / "data"
+    ordered = [done[key] for key, _ in records]
+    outcomes = [Outcome.model_validate(entry["outcome"]) for entry in ordered]
+    source_of = {key: record.source for key, record in records}
+    report = StageReport.from_outcomes("regenerate", outcomes, source_of)
+    report.metrics = throughput(stats)
+    output_path = data_dir / "regenerated.jsonl"
+    report_path = data_dir / "regenerate_report.json"
+    write_jsonl(output_path, (entry["record"] for entry in ordered if "record" in entry))
+    write_json(report_path, report)
+    journal.remove()
+    return RegenerateResult(output_path, report_path, report)
+
+
+def throughput(stats: dict[str, float]) -> dict[str, float]:
+    """Tokens/s and records/s of the generation done by this invocation (a resumed run counts its part)."""
+    seconds = stats["generation_seconds"]
+    return {
+        "completion_tokens": stats["completion_tokens"],
+        "generation_seconds": round(seconds, 3),
+        "tokens_per_second": round(stats["completion_tokens"] / seconds, 3) if seconds else 0.0,
+        "records_per_second": round(stats["records"] / seconds, 3) if seconds else 0.0,
+    }
+
+
+def load_regenerated(path: Path) -> list[PromptRecord]:
+    """Read regenerated.jsonl back (for tests and later stages)."""
+    with open(path, encoding="utf-8") as handle:
+        return [PromptRecord.model_validate(json.loads(line)) for line in handle]
