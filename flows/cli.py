@@ -97,6 +97,35 @@ def run(
         console.print(f"MLflow UI: mlflow ui --backend-store-uri {tracking_uri(cfg)}")
 
 
+@app.command("inspect")
+def inspect(
+    sample_id: str = typer.Argument(..., help="Record id, e.g. sharegpt:identity_0"),
+    config: Optional[Path] = ConfigOption,
+    overrides: Optional[list[str]] = OverridesArgument,
+) -> None:
+    """Print one record after templating: position | token id | token | loss_mask."""
+    from transformers import AutoTokenizer
+
+    from tasks.inspect_sample import find_record, inspection_rows
+
+    cfg = load_or_exit(config, overrides)
+    try:
+        record, path = find_record(cfg, sample_id)
+    except KeyError as error:
+        console.print(f"[red]{error.args[0]}[/red]")
+        raise typer.Exit(code=2) from None
+    tokenizer = AutoTokenizer.from_pretrained(cfg.output_path / "target")
+    rows = inspection_rows(tokenizer, record, cfg.validation.max_length)
+    table = Table(title=f"{sample_id} ({path.name})")
+    for column in ("position", "token id", "token", "loss_mask"):
+        table.add_column(column)
+    for row in rows:
+        style = "bold green" if row.loss_mask else None
+        table.add_row(str(row.position), str(row.token_id), repr(row.token), str(row.loss_mask), style=style)
+    console.print(table)
+    console.print(f"{sum(row.loss_mask for row in rows)} supervised of {len(rows)} tokens")
+
+
 def print_summaries(summaries: dict[str, dict[str, float]]) -> None:
     table = Table(title="stages")
     table.add_column("stage")
