@@ -136,12 +136,9 @@ def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
     if base_url is None:
         from tasks.engine import EngineLaunch, serve
 
+        log_path = cfg.output_path / "logs" / f"regenerate-{settings.engine}.log"
         engine = cfg.runtime.engines[settings.engine]
-        launch = EngineLaunch(
-            kind=settings.engine, model=target_dir, python=engine.python, port=engine.port,
-            log_path=cfg.output_path / "logs" / f"regenerate-{settings.engine}.log",
-            extra_args=engine.extra_args, env=engine.env, startup_timeout_s=engine.startup_timeout_s,
-        )
+        launch = EngineLaunch.from_config(settings.engine, engine, model=target_dir, log_path=log_path)
         base_url = stack.enter_context(serve(launch)).base_url
     return OpenAIGenerator(base_url, settings)
 

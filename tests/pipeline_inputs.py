@@ -31,5 +31,7 @@ def tiny_run_config(output_dir: str, model_dir: Path, chats: str, tracking: dict
                 {"name": "mtbench", "asset": "mtbench", "split": "eval", "limit": 3},
             ]
         },
+        "regeneration": {"max_new_tokens": 8, "batch_size": 4},
+        "validation": {"max_length": 256, "eval_fraction": 0.25},
         "tracking": tracking,
     }

@@ -19,7 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def stage_code_deps() -> list[str]:
     """Every code file dvc.yaml names as a dependency."""
     stages = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
-    return sorted({dep for stage in stages.values() for dep in stage.get("deps", [])})
+    deps = {dep for stage in stages.values() for dep in stage.get("deps", [])}
+    return sorted(dep for dep in deps if "${" not in dep)
 
 
 def run(command: list[str], cwd: Path) -> str:
@@ -33,7 +34,7 @@ def dvc(*arguments: str, cwd: Path) -> str:
     return run([sys.executable, "-m", "dvc", *arguments], cwd)
 
 
-def test_dvc_repro_runs_target_and_ingest(tmp_path: Path, tiny_target_dir: Path) -> None:
+def test_dvc_repro_runs_the_stages(tmp_path: Path, tiny_target_dir: Path) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
     run(["git", "init", "-q"], repo)
@@ -42,7 +43,10 @@ def test_dvc_repro_runs_target_and_ingest(tmp_path: Path, tiny_target_dir: Path)
     shutil.copy(REPO_ROOT / "dvc.yaml", repo / "dvc.yaml")
     for dep in stage_code_deps():
         (repo / dep).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO_ROOT / dep, repo / dep)
+        if (REPO_ROOT / dep).is_dir():
+            shutil.copytree(REPO_ROOT / dep, repo / dep, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO_ROOT / dep, repo / dep)
     write_conversations(repo / "inputs" / "chats.jsonl")
     params = tiny_run_config("artifacts/tiny", tiny_target_dir, "inputs/chats.jsonl", {"enabled": False})
     (repo / "params.yaml").write_text(yaml.safe_dump(params))
@@ -52,12 +56,24 @@ def test_dvc_repro_runs_target_and_ingest(tmp_path: Path, tiny_target_dir: Path)
     assert (report["input"], report["ok"], report["error"]) == (84, 6, 1)
     assert (repo / "artifacts/tiny/target/model.safetensors").is_file()
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"target", "ingest"}
+    assert set(lock["stages"]) == {"target", "ingest", "regenerate", "validate"}
+    contract = json.loads((repo / "artifacts/tiny/reports/data_contract.json").read_text())
+    regenerated = (repo / "artifacts/tiny/data/regenerated.jsonl").read_text().splitlines()
+    split = [(repo / f"artifacts/tiny/data/{name}.jsonl").read_text().splitlines() for name in ("train", "eval")]
+    assert len(split[0]) + len(split[1]) == len(regenerated) > 0
+    assert (repo / "artifacts/tiny/reports/data_docs/index.html").is_file()
+    assert contract["passed"] and contract["totals"]["input"] == len(regenerated)
+    assert "data_contract.json" in dvc("metrics", "show", cwd=repo)
     assert lock["stages"]["target"]["params"]["params.yaml"]["model"]["source"] == "local"
 
     assert "changed" not in dvc("status", cwd=repo)
     second = dvc("repro", cwd=repo)
     assert "didn't change" in second or "skipping" in second.lower()
+
+    params["validation"]["eval_fraction"] = 0.5
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    status = dvc("status", cwd=repo)
+    assert "validate" in status and "regenerate" not in status and "ingest" not in status, status
 
     params["data"]["sources"][1]["limit"] = 5
     (repo / "params.yaml").write_text(yaml.safe_dump(params))
@@ -66,3 +82,5 @@ def test_dvc_repro_runs_target_and_ingest(tmp_path: Path, tiny_target_dir: Path)
     dvc("repro", cwd=repo)
     report = json.loads((repo / "artifacts/tiny/data/ingest_report.json").read_text())
     assert report["ok"] == 8
+    regenerated = (repo / "artifacts/tiny/data/regenerate_report.json").read_text()
+    assert json.loads(regenerated)["input"] == 8, "regenerate followed its changed input"

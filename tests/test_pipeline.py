@@ -28,8 +28,11 @@ def test_prefect_flow_runs_the_stages_and_tracks_them(prefect_harness, tmp_path:
     state = pipeline(str(config), ["validation.max_length=512"], return_state=True)
     assert state.is_completed(), state
     summaries = state.result()
-    assert list(summaries) == ["target", "ingest"]
+    assert list(summaries) == ["target", "ingest", "regenerate", "validate"]
     assert summaries["ingest"] == {"input": 84, "ok": 6, "error": 1, "skipped": 77}
+    regenerated = summaries["regenerate"]
+    assert (regenerated["input"], regenerated["ok"], regenerated["skipped"]) == (6, 5, 1), "pre-templated text is skipped"
+    assert summaries["validate"]["input"] == 5 and summaries["validate"]["train"] + summaries["validate"]["eval"] == 5
     report = json.loads((tmp_path / "out" / "data" / "ingest_report.json").read_text())
     assert report["ok"] + report["error"] + report["skipped"] == report["input"] == 84
     assert (tmp_path / "out" / "target" / "model.safetensors").is_file()
@@ -43,6 +46,9 @@ def test_prefect_flow_runs_the_stages_and_tracks_them(prefect_harness, tmp_path:
     assert run.data.metrics["ingest.ok"] == 6 and run.data.metrics["target.num_hidden_layers"] == 6
     artifacts = {item.path for item in client.list_artifacts(run.info.run_id, "reports/ingest")}
     assert "reports/ingest/ingest_report.json" in artifacts
+    contract = {item.path for item in client.list_artifacts(run.info.run_id, "reports/validate")}
+    assert "reports/validate/data_contract.json" in contract
+    assert run.data.metrics["regenerate.tokens_per_second"] > 0
     assert yaml.safe_load(mlflow.artifacts.load_text(f"{run.info.artifact_uri}/config/run.yaml"))["run_id"] == "tiny"
 
 

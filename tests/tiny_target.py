@@ -54,8 +54,8 @@ def build_tiny_target(directory: Path, num_layers: int = 6, hidden_size: int = 6
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,  # head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... (not 16)
+        num_key_value_heads=1,
         max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
