@@ -49,6 +49,9 @@ class DataSource(Section):
     asset: Optional[Literal["mtbench", "sharegpt-dummy", "humaneval", "chitchat"]] = None
     format: Literal["auto", "sharegpt", "openai", "text", "mtbench", "humaneval", "chitchat"] = "auto"
     limit: Optional[int] = Field(default=None, ge=1)
+    max_user_turns: Optional[int] = Field(
+        default=None, ge=1, description="keep conversations up to this many user turns (the cut is recorded per record)"
+    )
     split: Literal["auto", "train", "eval"] = "auto"
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ def atomic_file(path: Path, mode: str = "w") -> Iterator[Any]:
     """Open a temp file beside `path`; on success fsync and rename it onto `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle_fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.chmod(temp_name, 0o666 & ~current_umask())  # mkstemp makes 0600; artifacts get the usual mode
     try:
         encoding = None if "b" in mode else "utf-8"
         with os.fdopen(handle_fd, mode, encoding=encoding) as handle:
@@ -32,6 +33,12 @@ def atomic_file(path: Path, mode: str = "w") -> Iterator[Any]:
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -65,6 +72,7 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     """Build a directory under a temp name; on success replace `path` with it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(temp, 0o777 & ~current_umask())
     try:
         yield temp
         if path.exists():

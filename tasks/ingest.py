@@ -15,7 +15,7 @@ from contract.config import DataSource, RunConfig
 from contract.records import Outcome, PromptRecord, Provenance, StageReport
 from tasks.artifacts import write_json, write_jsonl
 from tasks.assets import ASSETS, asset_path
-from tasks.ingest_formats import BadRecord, normalise
+from tasks.ingest_formats import BadRecord, Normalised, normalise
 from tasks.input_files import iter_items
 from tasks.progress import advance, progress_bar
 
@@ -97,6 +97,8 @@ def ingest_source(source: DataSource, first_seen: dict[str, str]):
                 yield None, Outcome(key=key, id=record_id, status="skipped", reason=f"duplicate id {record_id} (first at {first_seen[record_id]})")
                 continue
             first_seen[record_id] = key
+            if source.max_user_turns is not None:
+                keep_user_turns(normalised, source.max_user_turns)
             split = source.split if source.split != "auto" else normalised.split
             record = PromptRecord(
                 id=record_id,
@@ -109,6 +111,19 @@ def ingest_source(source: DataSource, first_seen: dict[str, str]):
             )
             accepted += 1
             yield record, Outcome(key=key, id=record_id, status="ok")
+
+
+def keep_user_turns(normalised: Normalised, limit: int) -> None:
+    """Cut a conversation after its `limit`-th user turn and its answer; record how many turns went."""
+    user_seen = 0
+    for index, message in enumerate(normalised.messages):
+        if message.role == "user":
+            user_seen += 1
+            if user_seen > limit:
+                dropped = len(normalised.messages) - index
+                normalised.messages = normalised.messages[:index]
+                normalised.metadata["dropped_turns"] = str(dropped)
+                return
 
 
 def content_id(data: object) -> str:

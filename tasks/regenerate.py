@@ -66,9 +66,10 @@ def run(cfg: RunConfig) -> RegenerateResult:
     data_dir = cfg.output_path / "data"
     target_info = read_json(cfg.output_path / "target.json")
     records = read_prompts(data_dir / "prompts.jsonl")
+    records_by_key = dict(records)
     params = generation_params(cfg, target_info)
-    journal = Journal(data_dir / "regenerate.journal.jsonl", fingerprint(records, params, cfg))
-    done = journal.load()
+    journal = Journal(data_dir / "regenerate.journal.jsonl", settings_fingerprint(params, cfg))
+    done = {key: entry for key, entry in journal.load().items() if entry.get("input") == input_hash(records_by_key.get(key))}
     todo = [(key, record) for key, record in records if key not in done]
     stats = {"completion_tokens": 0.0, "generation_seconds": 0.0, "records": 0.0}
     if todo:
@@ -112,14 +113,19 @@ def generation_params(cfg: RunConfig, target_info: dict[str, Any]) -> Generation
     )
 
 
-def fingerprint(records: list[tuple[str, PromptRecord]], params: GenerationParams, cfg: RunConfig) -> str:
-    """Identifies inputs + settings; a journal from a different fingerprint is not resumed."""
+def settings_fingerprint(params: GenerationParams, cfg: RunConfig) -> str:
+    """Identifies the target and generation settings; a journal written under others is not resumed."""
     digest = hashlib.sha256()
     digest.update(params.model_dump_json().encode())
-    digest.update(cfg.regeneration.model_dump_json().encode())
-    for key, record in records:
-        digest.update(key.encode() + record.model_dump_json().encode())
+    digest.update(cfg.regeneration.model_dump_json(exclude={"concurrency", "chunk_records", "batch_size"}).encode())
     return digest.hexdigest()
+
+
+def input_hash(record: Optional[PromptRecord]) -> Optional[str]:
+    """Identifies one input record; a journal entry is reused only for the very same record at its line."""
+    if record is None:
+        return None
+    return hashlib.sha256(record.model_dump_json().encode()).hexdigest()
 
 
 def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
@@ -194,15 +200,15 @@ def regenerate_chunk(chunk: list[tuple[str, PromptRecord]], generator: Optional[
             pending.append(PendingRecord(key, record, plan_messages(record, settings.supervise, generator is None)))
         except PlanError as problem:
             status = "skipped" if record.text is not None else "error"
-            entries.append(entry_for(key, record.id, status, str(problem)))
+            entries.append(entry_for(key, record, status, str(problem)))
     if generator is not None:
         run_rounds(pending, generator, settings, stats)
     for item in pending:
         if item.error is not None:
-            entries.append(entry_for(item.key, item.record.id, "error", item.error))
+            entries.append(entry_for(item.key, item.record, "error", item.error))
             continue
         finished = item.record.model_copy(update={"messages": item.messages, "generation": params.model_copy(update={"turns": item.turns})})
-        entries.append(entry_for(item.key, item.record.id, "ok", None, finished))
+        entries.append(entry_for(item.key, item.record, "ok", None, finished))
     stats["records"] += len(chunk)
     return sorted(entries, key=lambda entry: int(entry["key"].rsplit(":", 1)[1]))
 
@@ -240,8 +246,9 @@ def apply_reply(item: PendingRecord, reply, reasoning_mode: str) -> None:
     item.turns.append(TurnGeneration(turn=reply.turn, finish_reason=reply.finish_reason, completion_tokens=reply.completion_tokens))
 
 
-def entry_for(key: str, record_id: str, status: str, reason: Optional[str], record: Optional[PromptRecord] = None) -> dict[str, Any]:
-    entry: dict[str, Any] = {"key": key, "outcome": Outcome(key=key, id=record_id, status=status, reason=reason).model_dump(mode="json")}
+def entry_for(key: str, source: PromptRecord, status: str, reason: Optional[str], record: Optional[PromptRecord] = None) -> dict[str, Any]:
+    outcome = Outcome(key=key, id=source.id, status=status, reason=reason)
+    entry: dict[str, Any] = {"key": key, "input": input_hash(source), "outcome": outcome.model_dump(mode="json")}
     if record is not None:
         entry["record"] = record.model_dump(mode="json", exclude_none=True)
     return entry

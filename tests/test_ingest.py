@@ -496,3 +496,16 @@ def test_failed_write_keeps_previous_outputs_and_no_temp_files(tmp_path, monkeyp
 
     assert {name: (data_dir / name).read_bytes() for name in before} == before
     assert leftover_temps(data_dir) == []
+
+
+def test_max_user_turns_cuts_long_conversations_and_says_so(tmp_path):
+    turns = []
+    for index in range(5):
+        turns += [{"from": "human", "value": f"question {index}"}, {"from": "gpt", "value": f"answer {index}"}]
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"id": "long", "conversations": turns}) + "\n" + json.dumps({"id": "short", "conversations": turns[:2]}) + "\n")
+    run = run_ingest(tmp_path / "out", [{"name": "src", "path": str(path), "max_user_turns": 2}])
+    long, short = run.records
+    assert [m.content for m in long.messages] == ["question 0", "answer 0", "question 1", "answer 1"]
+    assert long.metadata == {"dropped_turns": "6"}
+    assert len(short.messages) == 2 and short.metadata == {}

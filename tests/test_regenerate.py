@@ -283,3 +283,24 @@ def test_reasoning_modes(tmp_path: Path, tiny_target_dir: Path, serve_tiny) -> N
     off = regenerate.run(openai_run(tmp_path / "off", tiny_target_dir, server.url, items, reasoning="off"))
     assert (off.report.ok, off.report.error) == (0, 3)
     assert all("regeneration.reasoning is 'off'" in outcome.reason for outcome in off.report.outcomes)
+
+
+def test_journal_entries_are_reused_only_for_unchanged_records(tmp_path: Path, tiny_target_dir: Path) -> None:
+    items = [{"id": "a", "messages": [{"role": "user", "content": "Hello there."}]},
+             {"id": "b", "messages": [{"role": "user", "content": "Tell me a story."}]}]
+    cfg = prepare_run(tmp_path, tiny_target_dir, items, chunk_records=1)
+    data = cfg.output_path / "data"
+    records = regenerate.read_prompts(data / "prompts.jsonl")
+    params = regenerate.generation_params(cfg, json.loads((cfg.output_path / "target.json").read_text()))
+    journal = regenerate.Journal(data / "regenerate.journal.jsonl", regenerate.settings_fingerprint(params, cfg))
+    journal.load()
+    generator = LocalGenerator(cfg.output_path / "target", cfg.regeneration)
+    stats = {"completion_tokens": 0.0, "generation_seconds": 0.0, "records": 0.0}
+    journal.commit(regenerate.regenerate_chunk(records, generator, cfg, params, stats))
+    items[1]["messages"][0]["content"] = "Tell me a different story."
+    ingest.run(prepare_run(tmp_path, tiny_target_dir, items, chunk_records=1))
+    result = regenerate.run(cfg)
+    fresh = prepare_run(tmp_path / "fresh", tiny_target_dir, items[1:])
+    assert result.report.ok == 2
+    assert result.report.metrics["completion_tokens"] == regenerate.run(fresh).report.metrics["completion_tokens"]
+    assert by_id(result.output_path)["chats:b"].messages[0].content == "Tell me a different story."

@@ -1,0 +1,71 @@
+"""The openai backend against a real vLLM CPU server (`make serve-env`), started by the stage or by the test."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks import regenerate
+from tasks.engine import EngineLaunch, free_port, serve
+from test_regenerate import CHATS, by_id, journal_entries, prepare_run, stage_command
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def vllm_environment() -> None:
+    if not VLLM_PYTHON.is_file():
+        pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
+
+
+def test_stage_starts_vllm_and_matches_the_local_backend(tmp_path: Path, tiny_target_dir: Path) -> None:
+    port = free_port()
+    served = prepare_run(tmp_path / "vllm", tiny_target_dir, CHATS[:2], backend="openai", engine="vllm", concurrency=4)
+    served.runtime.engines["vllm"].port = port
+    result = regenerate.run(served)
+    local = regenerate.run(prepare_run(tmp_path / "local", tiny_target_dir, CHATS[:2]))
+    assert result.report.ok == 2
+    remote_records, local_records = by_id(result.output_path), by_id(local.output_path)
+    for record_id, record in local_records.items():
+        assert [m.content for m in remote_records[record_id].messages] == [m.content for m in record.messages]
+    assert remote_records["chats:1"].generation.backend == "openai:vllm"
+    log = (served.output_path / "logs" / "regenerate-vllm.log").read_text()
+    assert "vllm.entrypoints.openai.api_server" in log
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1)
+
+
+def test_vllm_stopped_mid_run_then_restarted(tmp_path: Path, tiny_target_dir: Path) -> None:
+    port = free_port()
+    launch = EngineLaunch(kind="vllm", model=tiny_target_dir, python=str(VLLM_PYTHON), port=port,
+                          log_path=tmp_path / "logs" / "vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    items = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me story {i}."}]} for i in range(12)]
+    with serve(launch) as engine:
+        cfg = prepare_run(tmp_path, tiny_target_dir, items, backend="openai", base_url=engine.base_url, concurrency=1,
+                          chunk_records=1, max_new_tokens=32, max_retries=14, backoff_initial_s=1.0, backoff_max_s=8.0)
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        runner = subprocess.Popen(stage_command(config), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        journal = cfg.output_path / "data" / "regenerate.journal.jsonl"
+        deadline = time.monotonic() + 300
+        while journal_entries(journal) < 2 and runner.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine.stop()
+    done_before_restart = journal_entries(journal)
+    with serve(launch):
+        _, stderr = runner.communicate(timeout=600)
+    assert runner.returncode == 0, stderr.decode()[-3000:]
+    assert done_before_restart < 12, "the server went down while records were still pending"
+    report = json.loads((cfg.output_path / "data" / "regenerate_report.json").read_text())
+    assert (report["input"], report["ok"], report["error"]) == (12, 12, 0)
+    assert [record.id for record in regenerate.load_regenerated(cfg.output_path / "data" / "regenerated.jsonl")] == [f"chats:c{i}" for i in range(12)]
