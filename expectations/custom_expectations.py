@@ -76,7 +76,7 @@ class ExpectColumnValuesToBeFreeOfReasoningMarkers(_RowCheck):
     """No text of each value (a sequence of texts) contains `<think>` or `</think>`."""
 
     map_metric: ClassVar[str] = "column_values.eaglet_free_of_reasoning_markers"
-    rule: ClassVar[str] = "values: no text (one per turn) contains <think> or </think>."
+    rule: ClassVar[str] = "values: no text (one per turn) contains a reasoning marker (&lt;think&gt; or &lt;/think&gt;)."
     success_keys: ClassVar[tuple[str, ...]] = ("mostly",)
     library_metadata: ClassVar[dict[str, Any]] = {"tags": ["eaglet", "chat", "reasoning"], "contributors": ["eaglet"]}
 
