@@ -139,11 +139,22 @@ class ValidationConfig(Section):
 
 
 class CaptureConfig(Section):
-    aux_layer_ids: Optional[list[int]] = None
+    """Offline features of the capture stage (tasks/capture.py).
+
+    mode = lossless: bf16 (`dtype`) aux + final hidden states, as SpecForge stores them.
+    mode = compact: aux as fp8 e4m3 with an fp16 scale per row and aux layer, and instead of the final hidden
+    state a sparse teacher (top-`compact_topk` draft-vocab log-probs and the target's full-vocab top-1).
+    """
+
+    aux_layer_ids: Optional[list[int]] = Field(
+        default=None, description="outputs of these decoder layers (0-indexed, = HF hidden_states[i+1]); "
+        "default [1, N//2 - 1, N - 4]")
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     mode: Literal["lossless", "compact"] = "lossless"
     records_per_shard: int = Field(default=256, ge=1)
     draft_vocab_size: Optional[int] = Field(default=None, ge=1)
+    compact_topk: int = Field(default=16, ge=1, description="teacher log-probs kept per position in compact mode")
+    batch_size: int = Field(default=8, ge=1, description="records per target forward pass (right-padded)")
 
 
 class TrainingConfig(Section):

@@ -1,0 +1,247 @@
+"""The EAGLE3 draft model: one Llama decoder layer that reads the target's fused hidden states.
+
+Read top to bottom, this is DESIGN §3's forward:
+
+    g = fc(aux)                                        # Linear(3H -> H), skipped when the input is width H
+    e = embed_tokens(ids)                              # frozen copy of the target's embedding (not exported)
+    x = concat(input_layernorm(e), hidden_norm(g))     # width 2H, embedding first
+    a = o_proj(attn(q_proj(x), k_proj(x), v_proj(x)))
+    r = g + a                                          # the residual is the hidden g, not x
+    h_out = r + mlp(post_attention_layernorm(r))       # pre-norm output: the next draft step's hidden input
+    logits = lm_head(norm(h_out))                      # width Vd (draft vocabulary)
+
+The attention is split in two so the training-time test (models/ttt.py) can add its extra keys:
+`project_qkv` returns rotated queries, keys and values, `finish` applies o_proj, the residual and the MLP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Eagle3Config:
+    """Everything that shapes the draft; the Llama fields are copied from the target."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]
+    rope_scaling: Optional[dict[str, Any]] = None
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int | list[int]] = None
+    pad_token_id: Optional[int] = None
+    hidden_act: str = "silu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int]) -> "Eagle3Config":
+        """Copy the Llama fields of an HF target config."""
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = text.num_attention_heads
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+        scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+        return cls(
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            rms_norm_eps=text.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=text.max_position_embeddings,
+            vocab_size=text.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=text.hidden_size,
+            aux_layer_ids=list(aux_layer_ids),
+            bos_token_id=text.bos_token_id,
+            eos_token_id=text.eos_token_id,
+            pad_token_id=text.pad_token_id,
+            hidden_act=getattr(text, "hidden_act", "silu"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(config: Eagle3Config) -> torch.Tensor:
+    """Llama RoPE frequencies, with Llama-3's long-context scaling when the target uses it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (original / wavelength - low) / (high - low)
+        scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+        middle = (wavelength <= original / low) & (wavelength >= original / high)
+        inv_freq = torch.where(middle, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope_type '{kind}' is not supported by the EAGLE3 draft (default and llama3 are)")
+    return inv_freq.float()
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE to x [B, heads, T, head_dim] at integer positions [B, T]."""
+    angles = positions[:, None, :, None].float() * inv_freq[None, None, None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated_half * sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        width = 2 * config.hidden_size
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+
+    def split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, heads, self.head_dim).transpose(1, 2)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """The single decoder layer (`midlayer` in the checkpoint)."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+
+
+@dataclass
+class StepProjections:
+    """Rotated queries [B, heads, T, d], keys and values [B, kv_heads, T, d] of one draft step."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = DraftLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.embed_tokens: Optional[nn.Embedding] = None
+
+    def attach_embedding(self, weight: torch.Tensor) -> None:
+        """Inject the target's token embedding, frozen; it is never saved with the draft."""
+        embedding = nn.Embedding.from_pretrained(weight.detach().clone(), freeze=True)
+        object.__setattr__(self, "embed_tokens", embedding)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t.to(torch.int64))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """g = fc(aux); an input already of width H (a previous step's h_out) passes through."""
+        if aux.shape[-1] == self.config.hidden_size:
+            return aux
+        return self.fc(aux)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            raise RuntimeError("attach the target's embedding (attach_embedding) before running the draft")
+        return self.embed_tokens(ids)
+
+    def project_qkv(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> StepProjections:
+        """x = concat(input_layernorm(e), hidden_norm(g)) and its rotated q, k, v."""
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(self.embed(ids)), layer.hidden_norm(hidden)], dim=-1)
+        attention = layer.self_attn
+        queries = attention.split_heads(attention.q_proj(x), attention.heads)
+        keys = attention.split_heads(attention.k_proj(x), attention.kv_heads)
+        values = attention.split_heads(attention.v_proj(x), attention.kv_heads)
+        return StepProjections(rotate(queries, positions, self.inv_freq), rotate(keys, positions, self.inv_freq), values)
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """r = g + o_proj(attn); h_out = r + mlp(post_attention_layernorm(r)). attended: [B, heads, T, d]."""
+        layer = self.midlayer
+        batch, _, length, _ = attended.shape
+        merged = attended.transpose(1, 2).reshape(batch, length, -1)
+        residual = hidden + layer.self_attn.o_proj(merged)
+        return residual + layer.mlp(layer.post_attention_layernorm(residual))
+
+    def logits(self, h_out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of a step's output."""
+        return self.lm_head(self.norm(h_out))
+
+    def forward(self, aux: torch.Tensor, ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One causal step over a sequence: (h_out, logits). The training-time test lives in models/ttt.py."""
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        hidden = self.project(aux)
+        step = self.project_qkv(ids, hidden, positions)
+        groups = step.queries.shape[1] // step.keys.shape[1]
+        attended = F.scaled_dot_product_attention(
+            step.queries, step.keys.repeat_interleave(groups, 1), step.values.repeat_interleave(groups, 1), is_causal=True
+        )
+        h_out = self.finish(hidden, attended)
+        return h_out, self.logits(h_out)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token id of each draft id: i + d2t[i]."""
+        return draft_ids + self.d2t[draft_ids]

@@ -1,0 +1,155 @@
+"""The EAGLE3 draft on the tiny target: it learns (overfits a handful of records), and its checkpoint
+round-trips in the engines' format with the contract checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from contract.chat_rendering import render_with_spans, tokenize_with_mask
+from contract.checkpoint import CheckpointContract, ContractMismatch
+from contract.records import Message
+from models.draft_checkpoint import EXPECTED_TENSORS, engine_layer_ids, load_pretrained, save_pretrained
+from models.eagle3 import Eagle3Config, Eagle3Draft
+from models.ttt import TTTBatch, teacher_from_hidden, ttt_forward
+
+AUX_LAYERS = [1, 2, 3]
+CONVERSATIONS = [
+    [("What is the capital of France?", "The capital of France is Paris.")],
+    [("Hello, how are you today?", "I am fine, thank you.")],
+    [("Tell me a story about a small bird.", "A small bird learns to fly over the sea.")],
+    [("Write a Python function that adds two numbers.", "def add(a, b): return a + b")],
+]
+
+
+def features(model, tokenizer) -> TTTBatch:
+    """Token-aligned features of the conversations, from a real forward pass of the tiny target."""
+    samples = []
+    for turns in CONVERSATIONS:
+        messages = []
+        for question, answer in turns:
+            messages += [Message(role="user", content=question), Message(role="assistant", content=answer)]
+        samples.append(tokenize_with_mask(tokenizer, render_with_spans(tokenizer, messages), 512))
+    length = max(len(sample.input_ids) for sample in samples)
+    ids = torch.full((len(samples), length), tokenizer.pad_token_id)
+    mask = torch.zeros(len(samples), length, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids)
+        mask[row, : len(sample.loss_mask)] = torch.tensor(sample.loss_mask)
+    with torch.no_grad():
+        states = model(ids, attention_mask=(mask >= 0).long(), output_hidden_states=True).hidden_states
+    aux = torch.cat([states[layer + 1] for layer in AUX_LAYERS], dim=-1)
+    t2d = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    probs, top1, in_draft = teacher_from_hidden(states[-1], model.lm_head.weight, t2d)
+    return TTTBatch(ids, mask, aux, probs, top1, in_draft)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_dir: Path):
+    """The tiny target with a peaked next-token distribution, like a trained LM (random init is near uniform)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model, AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+def new_draft(model) -> Eagle3Draft:
+    torch.manual_seed(0)
+    config = Eagle3Config.from_target(model.config, draft_vocab_size=model.config.vocab_size, aux_layer_ids=AUX_LAYERS)
+    draft = Eagle3Draft(config)
+    draft.attach_embedding(model.get_input_embeddings().weight)
+    return draft
+
+
+def test_a_draft_overfits_a_handful_of_records(tiny) -> None:
+    model, tokenizer = tiny
+    batch = features(model, tokenizer)
+    draft = new_draft(model)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    with torch.no_grad():
+        untrained = ttt_forward(draft, batch, steps=3)
+    for _ in range(300):
+        optimizer.zero_grad()
+        output = ttt_forward(draft, batch, steps=3)
+        output.loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        trained = ttt_forward(draft, batch, steps=3)
+    assert trained.acc[0] > 0.9, trained.metrics()
+    assert trained.simulated_accept_len > untrained.simulated_accept_len + 1.0
+    assert trained.loss < untrained.loss / 2
+
+
+def contract_for(model, target_info: dict) -> CheckpointContract:
+    config = model.config
+    return CheckpointContract(
+        target_id="tiny", target_revision=target_info["revision"], tokenizer_hash=target_info["tokenizer_hash"],
+        chat_template_hash="t", draft_config={}, aux_layer_ids=AUX_LAYERS, fusion_dims=[3 * config.hidden_size, config.hidden_size],
+        hidden_size=config.hidden_size, vocab_size=config.vocab_size, draft_vocab_size=config.vocab_size,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+    )
+
+
+TARGET_INFO = {"revision": "rev-1", "tokenizer_hash": "tok-1"}
+
+
+def target_info_for(model) -> dict:
+    config = model.config
+    return {**TARGET_INFO, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+            "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id}
+
+
+def test_save_load_gives_identical_logits_and_the_engine_format(tmp_path: Path, tiny) -> None:
+    model, tokenizer = tiny
+    draft = new_draft(model)
+    torch.nn.init.normal_(draft.fc.weight, std=0.05)
+    info = target_info_for(model)
+    directory = save_pretrained(draft, tmp_path / "draft", contract_for(model, info), num_target_layers=6, engine="sglang")
+    loaded, contract = load_pretrained(directory, target_info=info)
+    loaded.attach_embedding(model.get_input_embeddings().weight)
+    batch = features(model, tokenizer)
+    with torch.no_grad():
+        assert torch.equal(draft(batch.aux_hidden_state, batch.input_ids)[1], loaded(batch.aux_hidden_state, batch.input_ids)[1])
+    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
+        names = set(handle.keys())
+        assert handle.get_tensor("d2t").dtype == torch.int64 and handle.get_tensor("t2d").dtype == torch.bool
+    assert names == set(EXPECTED_TENSORS) and "embed_tokens.weight" not in names
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["tie_word_embeddings"] is False and config["draft_vocab_size"] == model.config.vocab_size
+    assert config["rope_theta"] == model.config.rope_parameters["rope_theta"]
+    assert contract.engine == "sglang" and contract.draft_config["aux_layer_ids"] == AUX_LAYERS
+
+
+def test_engine_exports_differ_only_in_the_layer_id_convention(tmp_path: Path, tiny) -> None:
+    model, _ = tiny
+    draft = new_draft(model)
+    info = target_info_for(model)
+    configs = {}
+    for engine in ("sglang", "vllm"):
+        save_pretrained(draft, tmp_path / engine, contract_for(model, info), num_target_layers=6, engine=engine)
+        configs[engine] = json.loads((tmp_path / engine / "config.json").read_text())
+    assert configs["sglang"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert configs["vllm"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    for config in configs.values():
+        config["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")
+    assert configs["sglang"] == configs["vllm"]
+    assert (tmp_path / "sglang" / "model.safetensors").read_bytes() == (tmp_path / "vllm" / "model.safetensors").read_bytes()
+    assert engine_layer_ids([1, 14, 26], 30, "vllm") is None, "SmolLM2's defaults are left to the engine"
+    assert engine_layer_ids([1, 14, 25], 30, "vllm") == [2, 15, 26]
+
+
+@pytest.mark.parametrize("field, value", [("revision", "rev-2"), ("tokenizer_hash", "tok-2"), ("vocab_size", 999),
+                                          ("hidden_size", 128), ("eos_token_id", 7)])
+def test_a_checkpoint_for_another_target_is_refused(tmp_path: Path, tiny, field: str, value) -> None:
+    model, _ = tiny
+    info = target_info_for(model)
+    directory = save_pretrained(new_draft(model), tmp_path / "draft", contract_for(model, info), num_target_layers=6)
+    name = {"revision": "target_revision"}.get(field, field)
+    with pytest.raises(ContractMismatch, match=name):
+        load_pretrained(directory, target_info={**info, field: value})
