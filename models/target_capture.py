@@ -27,24 +27,29 @@ Tensor = torch.Tensor
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE3's default aux layers `[1, N//2 - 1, N - 4]` (outputs of those decoder layers, 0-indexed)."""
-    if num_layers < 5:
-        raise ValueError(f"the default aux layers [1, N//2 - 1, N - 4] need at least 5 decoder layers; the target has {num_layers}")
+    """EAGLE3's default aux layers `[1, N//2 - 1, N - 4]` (outputs of those decoder layers, 0-indexed).
+    For N < 8 they repeat or leave the range; `resolve_aux_layer_ids` refuses that."""
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
 def resolve_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
-    """The configured ids (or the defaults), checked: in range [0, N) and strictly ascending."""
-    ids = default_aux_layer_ids(num_layers) if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
+    """The configured ids (or the defaults), checked: in range [0, N) and strictly ascending.
+
+    Engines capture each layer once, in layer order, so a repeated or unordered id could never be served.
+    """
+    configured = aux_layer_ids is not None
+    ids = [int(i) for i in aux_layer_ids] if configured else default_aux_layer_ids(num_layers)
+    origin = "capture.aux_layer_ids" if configured else f"the default aux layers [1, N//2 - 1, N - 4] = {ids}"
+    hint = "" if configured else f" for a target with N = {num_layers} decoder layers; set capture.aux_layer_ids"
     if not ids:
         raise ValueError("capture.aux_layer_ids is empty; give at least one decoder layer id")
     for position, layer_id in enumerate(ids):
         if not 0 <= layer_id < num_layers:
-            raise ValueError(f"capture.aux_layer_ids[{position}] = {layer_id} is out of range: the target has "
-                             f"{num_layers} decoder layers (ids 0..{num_layers - 1})")
+            raise ValueError(f"{origin}: id {layer_id} at position {position} is out of range: the target has "
+                             f"{num_layers} decoder layers (ids 0..{num_layers - 1}){hint}")
         if position and layer_id <= ids[position - 1]:
-            raise ValueError(f"capture.aux_layer_ids must be strictly ascending: {layer_id} at position {position} "
-                             f"follows {ids[position - 1]} (got {ids})")
+            raise ValueError(f"{origin} must be strictly ascending: {layer_id} at position {position} follows "
+                             f"{ids[position - 1]} (got {ids}){hint}")
     return ids
 
 

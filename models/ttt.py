@@ -121,11 +121,11 @@ def attend(queries: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor,
     return numerator / denominator
 
 
-def step_loss(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """ploss = -(1/(B*T)) * sum_t mask[t] * sum_v p[t,v] * log_softmax(logits[t])[v]."""
+def step_loss(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ploss = -(1/(B*T)) * sum_t mask[t] * sum_v p[t,v] * log_softmax(logits[t])[v], and the log-probs."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     per_position = (target_probs * log_probs).sum(-1)
-    return -(mask * per_position).sum() / mask.numel()
+    return -(mask * per_position).sum() / mask.numel(), log_probs
 
 
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8,
@@ -157,21 +157,21 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         attended = attend(projections.queries, keys0, values0, diagonal_keys, diagonal_values)
         hidden = draft.finish(hidden, attended)
         logits = draft.logits(hidden)
-        ploss = step_loss(logits, step_probs, step_mask)
+        ploss, log_probs = step_loss(logits, step_probs, step_mask)
         output.loss = output.loss + decay ** step * ploss
         output.ploss.append(ploss)
-        record_step_metrics(output, draft, logits, step_probs, step_top1, step_mask)
+        record_step_metrics(output, draft, log_probs, step_probs, step_top1, step_mask)
     return output
 
 
-def record_step_metrics(output: TTTOutput, draft: Eagle3Draft, logits: torch.Tensor, target_probs: torch.Tensor,
+def record_step_metrics(output: TTTOutput, draft: Eagle3Draft, log_probs: torch.Tensor, target_probs: torch.Tensor,
                         target_top1: torch.Tensor, mask: torch.Tensor) -> None:
     """acc_k (draft top-1 mapped to the target vocab == target top-1) and expected acceptance, over masked positions."""
     with torch.no_grad():
         count = float(mask.sum())
-        draft_top1 = draft.draft_to_target(logits.argmax(dim=-1))
+        draft_top1 = draft.draft_to_target(log_probs.argmax(dim=-1))
         correct = float(((draft_top1 == target_top1).float() * mask).sum())
-        overlap = torch.minimum(torch.softmax(logits.float(), dim=-1), target_probs).sum(-1)
+        overlap = torch.minimum(log_probs.exp(), target_probs).sum(-1)
         accepted = float((overlap * mask).sum())
     output.acc.append(correct / count if count else 0.0)
     output.expected_accept.append(accepted / count if count else 0.0)
