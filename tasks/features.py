@@ -34,6 +34,7 @@ element (~2-3% error), and one scale per row *and layer* ([N, 3], 6 bytes/token)
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from dataclasses import dataclass
@@ -271,7 +272,7 @@ class FeatureSet:
         if not -len(self) <= index < len(self):
             raise IndexError(f"record {index} of {len(self)}")
         index %= len(self)
-        shard = next(position for position in range(len(self.shards)) if index < self._starts[position + 1])
+        shard = bisect.bisect_right(self._starts, index) - 1
         tensors, record_ids = self._shard(shard)
         local = index - self._starts[shard]
         offsets = tensors["offsets"]

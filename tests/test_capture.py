@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from contract.chat_rendering import render_with_spans, spans_in_pretemplated, tokenize_with_mask
 from contract.config import RunConfig
