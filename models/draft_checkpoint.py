@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from contract.checkpoint import CheckpointContract, check_against_target
 from models.eagle3 import Eagle3Config, Eagle3Draft
+from models.target_capture import default_aux_layer_ids
 
 ENGINES = ("sglang", "vllm")
 WEIGHTS = "model.safetensors"
@@ -29,10 +30,6 @@ EXPECTED_TENSORS = (
     "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
     "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
 )
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    return [1, num_layers // 2 - 1, num_layers - 4]
 
 
 def engine_layer_ids(aux_layer_ids: list[int], num_target_layers: int, engine: Optional[str]) -> Optional[list[int]]:

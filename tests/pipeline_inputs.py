@@ -24,7 +24,7 @@ def tiny_run_config(output_dir: str, model_dir: Path, chats: str, tracking: dict
     return {
         "run_id": "tiny",
         "output_dir": output_dir,
-        "model": {"source": "local", "path": str(model_dir)},
+        "model": {"source": "local", "path": str(model_dir), "dtype": "float32"},
         "data": {
             "sources": [
                 {"name": "chats", "path": chats, "format": "auto"},
@@ -33,5 +33,6 @@ def tiny_run_config(output_dir: str, model_dir: Path, chats: str, tracking: dict
         },
         "regeneration": {"max_new_tokens": 8, "batch_size": 4},
         "validation": {"max_length": 256, "eval_fraction": 0.25},
+        "capture": {"aux_layer_ids": [1, 2, 3], "draft_vocab_size": 128, "records_per_shard": 2},
         "tracking": tracking,
     }

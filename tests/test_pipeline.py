@@ -28,11 +28,13 @@ def test_prefect_flow_runs_the_stages_and_tracks_them(prefect_harness, tmp_path:
     state = pipeline(str(config), ["validation.max_length=512"], return_state=True)
     assert state.is_completed(), state
     summaries = state.result()
-    assert list(summaries) == ["target", "ingest", "regenerate", "validate"]
+    assert list(summaries) == ["target", "ingest", "regenerate", "validate", "capture"]
     assert summaries["ingest"] == {"input": 84, "ok": 6, "error": 1, "skipped": 77}
     regenerated = summaries["regenerate"]
     assert (regenerated["input"], regenerated["ok"], regenerated["skipped"]) == (6, 5, 1), "pre-templated text is skipped"
     assert summaries["validate"]["input"] == 5 and summaries["validate"]["train"] + summaries["validate"]["eval"] == 5
+    manifest = json.loads((tmp_path / "out" / "features" / "manifest.json").read_text())
+    assert manifest["aux_layer_ids"] == [1, 2, 3] and manifest["draft_vocab_size"] == 128
     report = json.loads((tmp_path / "out" / "data" / "ingest_report.json").read_text())
     assert report["ok"] + report["error"] + report["skipped"] == report["input"] == 84
     assert (tmp_path / "out" / "target" / "model.safetensors").is_file()
