@@ -102,8 +102,9 @@ def inspect(
     sample_id: str = typer.Argument(..., help="Record id, e.g. sharegpt:identity_0"),
     config: Optional[Path] = ConfigOption,
     overrides: Optional[list[str]] = OverridesArgument,
+    features: bool = typer.Option(False, "--features", help="Add the captured feature row and the teacher's token."),
 ) -> None:
-    """Print one record after templating: position | token id | token | loss_mask."""
+    """Print one record after templating: position | token id | token | loss_mask (| feature row | teacher)."""
     from transformers import AutoTokenizer
 
     from tasks.inspect_sample import find_record, inspection_rows
@@ -111,19 +112,45 @@ def inspect(
     cfg = load_or_exit(config, overrides)
     try:
         record, path = find_record(cfg, sample_id)
+        captured = feature_table_rows(cfg, sample_id) if features else None
     except KeyError as error:
         console.print(f"[red]{error.args[0]}[/red]")
         raise typer.Exit(code=2) from None
     tokenizer = AutoTokenizer.from_pretrained(cfg.output_path / "target")
     rows = inspection_rows(tokenizer, record, cfg.validation.max_length)
     table = Table(title=f"{sample_id} ({path.name})")
-    for column in ("position", "token id", "token", "loss_mask"):
+    columns = ["position", "token id", "token", "loss_mask"]
+    if captured is not None:
+        columns += ["row", "teacher"]
+    for column in columns:
         table.add_column(column)
     for row in rows:
-        style = "bold green" if row.loss_mask else None
-        table.add_row(str(row.position), str(row.token_id), repr(row.token), str(row.loss_mask), style=style)
+        cells = [str(row.position), str(row.token_id), repr(row.token), str(row.loss_mask)]
+        if captured is not None:
+            feature = captured[row.position]
+            if feature.token_id != row.token_id:
+                console.print(f"[red]feature row {feature.row} holds token {feature.token_id}, expected {row.token_id}[/red]")
+                raise typer.Exit(code=1)
+            cells += [str(feature.row), f"{feature.teacher_id} {tokenizer.decode([feature.teacher_id])!r}"]
+        table.add_row(*cells, style="bold green" if row.loss_mask else None)
     console.print(table)
     console.print(f"{sum(row.loss_mask for row in rows)} supervised of {len(rows)} tokens")
+    if captured is not None:
+        console.print("row: the feature row of the token; teacher: the target's top-1 after it. Draft step 0 at position t: "
+                      "hidden of row t, embedding of token t+1, learns the teacher of row t+1.")
+
+
+def feature_table_rows(cfg: RunConfig, sample_id: str) -> list:
+    """Captured rows of a record, with the teacher's top-1 per row."""
+    from models.target_loading import load_target
+    from tasks.inspect_sample import feature_rows, find_feature_record
+
+    record, _ = find_feature_record(cfg.output_path / "features", sample_id)
+    lm_head = None
+    if "hidden_state" in record:
+        model, _ = load_target(cfg.output_path / "target", "float32", cfg.model.trust_remote_code)
+        lm_head = model.get_output_embeddings().weight
+    return feature_rows(record, lm_head)
 
 
 def print_summaries(summaries: dict[str, dict[str, float]]) -> None:

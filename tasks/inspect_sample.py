@@ -25,6 +25,16 @@ class TokenRow:
     loss_mask: int
 
 
+@dataclass
+class FeatureRow:
+    """One captured row: what the target predicts after this token (its top-1), next to the token itself."""
+
+    row: int
+    token_id: int
+    loss_mask: int
+    teacher_id: int
+
+
 def find_record(cfg: RunConfig, sample_id: str) -> tuple[PromptRecord, Path]:
     """The record with this id from the latest data file that holds it."""
     data_dir = cfg.output_path / "data"
@@ -50,4 +60,30 @@ def inspection_rows(tokenizer: Any, record: PromptRecord, max_length: int) -> li
     return [
         TokenRow(position, token_id, tokenizer.decode([token_id]), mask)
         for position, (token_id, mask) in enumerate(zip(sample.input_ids, sample.loss_mask))
+    ]
+
+
+def find_feature_record(features_dir: Path, sample_id: str) -> tuple[dict[str, Any], str]:
+    """The captured record with this id, from the train or eval features."""
+    from tasks.features import FeatureSet
+
+    for split in ("train", "eval"):
+        for record in FeatureSet(features_dir, split):
+            if record["id"] == sample_id:
+                return record, split
+    raise KeyError(f"no captured features for '{sample_id}' under {features_dir}")
+
+
+def feature_rows(record: dict[str, Any], lm_head_weight: Any) -> list[FeatureRow]:
+    """Per row: the stored token and mask, and the target's top-1 (the teacher for the following token)."""
+    import torch
+
+    if "target_top1" in record:
+        teacher = record["target_top1"].long()
+    else:
+        with torch.no_grad():
+            teacher = (record["hidden_state"].float() @ lm_head_weight.float().T).argmax(-1)
+    return [
+        FeatureRow(row, int(token), int(mask), int(top1))
+        for row, (token, mask, top1) in enumerate(zip(record["input_ids"], record["loss_mask"], teacher))
     ]

@@ -1,0 +1,55 @@
+"""Turning captured feature records into right-padded TTT batches, with the teacher they were stored for.
+
+Lossless records carry the target's final hidden state: the teacher is recomputed through the target's
+lm_head. Compact records carry a sparse top-k teacher over the draft vocab and the target's top-1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from models.ttt import TTTBatch, teacher_from_hidden
+from tasks.features import dense_teacher, dequantise_aux
+
+
+def record_teacher(record: Mapping[str, Any], lm_head_weight: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target probs over the draft vocab, full-vocab top-1, top-1 in draft vocab) of one record."""
+    if "hidden_state" in record:
+        return teacher_from_hidden(record["hidden_state"], lm_head_weight, t2d)
+    draft_vocab_size = int(t2d.sum())
+    probs = dense_teacher(record["teacher_topk_ids"], record["teacher_topk_logprobs"], draft_vocab_size)
+    top1 = record["target_top1"].long()
+    return probs, top1, t2d[top1]
+
+
+def collate(records: Sequence[Mapping[str, Any]], lm_head_weight: torch.Tensor, t2d: torch.Tensor,
+            pad_token_id: int = 0) -> TTTBatch:
+    """Right-pad records to the longest; padding is never supervised."""
+    length = max(len(record["input_ids"]) for record in records)
+    size = len(records)
+    width = record_width(records[0])
+    draft_vocab_size = int(t2d.sum())
+    batch = TTTBatch(
+        input_ids=torch.full((size, length), pad_token_id, dtype=torch.long),
+        loss_mask=torch.zeros(size, length, dtype=torch.long),
+        aux_hidden_state=torch.zeros(size, length, width),
+        target_probs=torch.zeros(size, length, draft_vocab_size),
+        target_top1=torch.zeros(size, length, dtype=torch.long),
+        target_top1_in_draft=torch.zeros(size, length, dtype=torch.bool),
+    )
+    for row, record in enumerate(records):
+        count = len(record["input_ids"])
+        probs, top1, in_draft = record_teacher(record, lm_head_weight, t2d)
+        batch.input_ids[row, :count] = record["input_ids"].long()
+        batch.loss_mask[row, :count] = record["loss_mask"].long()
+        batch.aux_hidden_state[row, :count] = dequantise_aux(record["aux_hidden_state"], record.get("aux_scale"))
+        batch.target_probs[row, :count] = probs
+        batch.target_top1[row, :count] = top1
+        batch.target_top1_in_draft[row, :count] = in_draft
+    return batch
+
+
+def record_width(record: Mapping[str, Any]) -> int:
+    return int(record["aux_hidden_state"].shape[-1])
