@@ -192,6 +192,14 @@ class Eagle3Draft(nn.Module):
         embedding = nn.Embedding.from_pretrained(weight.detach().clone(), freeze=True)
         object.__setattr__(self, "embed_tokens", embedding)
 
+    def initialise_from_target(self, lm_head_weight: torch.Tensor, final_norm_weight: torch.Tensor) -> None:
+        """Start lm_head from the target's rows of the draft vocabulary and norm from the target's final
+        norm: the draft then begins where the target's own head would put it (faster, steadier training)."""
+        used = torch.arange(self.config.draft_vocab_size) + self.d2t.cpu()
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head_weight[used].to(self.lm_head.weight.dtype))
+            self.norm.weight.copy_(final_norm_weight.to(self.norm.weight.dtype))
+
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t.to(torch.int64))
         self.t2d.copy_(t2d.to(torch.bool))

@@ -1,0 +1,133 @@
+"""What compact features cost in acceptance: the same draft trained on lossless vs compact features.
+
+    .venv/bin/python benchmarks/compact_acceptance.py --output-dir artifacts/embedded-default [--epochs 3]
+
+Needs a run whose validate stage is done (target/, data/train.jsonl, data/eval.jsonl). Captures lossless
+features (if missing) and compact ones into `<output-dir>-compact`, trains one draft on each with the
+same seed, order and steps, and evaluates both on the lossless eval features (the true teacher).
+Goal (issue 4): compact <= 0.5x the bytes of SpecForge's format with acceptance within 2% of lossless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from contract.config import RunConfig
+from models.eagle3 import Eagle3Config, Eagle3Draft
+from models.target_loading import load_target
+from models.ttt import ttt_forward
+from models.vocab_mapping import load_vocab_mapping
+from tasks import capture
+from tasks.feature_batches import collate
+from tasks.features import FeatureSet
+
+
+def run_config(output_dir: Path, mode: str) -> RunConfig:
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    params.update(output_dir=str(output_dir), tracking={"enabled": False})
+    params.setdefault("capture", {})["mode"] = mode
+    return RunConfig.model_validate(params)
+
+
+def compact_run_dir(lossless_dir: Path) -> Path:
+    """A sibling run dir sharing target/ and data/ with the lossless run."""
+    compact = lossless_dir.with_name(lossless_dir.name + "-compact")
+    compact.mkdir(exist_ok=True)
+    for name in ("target", "target.json", "data"):
+        link = compact / name
+        if not link.exists():
+            os.symlink((lossless_dir / name).resolve(), link)
+    return compact
+
+
+def new_draft(cfg: RunConfig, target, vocab) -> Eagle3Draft:
+    torch.manual_seed(cfg.runtime.seed)
+    ids = json.loads((cfg.output_path / "features" / "manifest.json").read_text())["aux_layer_ids"]
+    draft = Eagle3Draft(Eagle3Config.from_target(target.config, vocab.draft_vocab_size, ids))
+    draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
+    draft.attach_embedding(target.get_input_embeddings().weight)
+    draft.initialise_from_target(target.get_output_embeddings().weight, target.model.norm.weight)
+    return draft
+
+
+def train(draft: Eagle3Draft, features: FeatureSet, lm_head: torch.Tensor, epochs: int, steps: int, seed: int,
+          learning_rate: float) -> float:
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=learning_rate)
+    order = list(range(len(features)))
+    started, tokens = time.perf_counter(), 0
+    for epoch in range(epochs):
+        random.Random(seed + epoch).shuffle(order)
+        for index in order:
+            record = features[index]
+            batch = collate([record], lm_head, draft.t2d)
+            optimizer.zero_grad()
+            ttt_forward(draft, batch, steps).loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)
+            optimizer.step()
+            tokens += len(record["input_ids"])
+    return tokens / (time.perf_counter() - started)
+
+
+def evaluate(draft: Eagle3Draft, features: FeatureSet, lm_head: torch.Tensor, steps: int) -> dict[str, float]:
+    """Acceptance metrics over all eval records, weighted by supervised positions."""
+    sums: dict[str, float] = {}
+    counts = [0.0] * steps
+    with torch.no_grad():
+        for record in features:
+            output = ttt_forward(draft, collate([record], lm_head, draft.t2d), steps)
+            for step in range(steps):
+                weight = output.supervised[step]
+                counts[step] += weight
+                sums[f"acc_{step}"] = sums.get(f"acc_{step}", 0.0) + output.acc[step] * weight
+    metrics = {name: value / counts[int(name.split("_")[1])] for name, value in sums.items()}
+    running, total = 1.0, 0.0
+    for step in range(steps):
+        running *= metrics[f"acc_{step}"]
+        total += running
+    metrics["simulated_accept_len"] = total
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", default="artifacts/embedded-default")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    args = parser.parse_args()
+    lossless_dir = Path(args.output_dir)
+    compact_dir = compact_run_dir(lossless_dir)
+    lossless_cfg, compact_cfg = run_config(lossless_dir, "lossless"), run_config(compact_dir, "compact")
+    for cfg in (lossless_cfg, compact_cfg):
+        capture.run(cfg)
+    target, _ = load_target(lossless_dir / "target")
+    lm_head = target.get_output_embeddings().weight.detach()
+    vocab = load_vocab_mapping(lossless_dir / "vocab" / "vocab_mapping.safetensors")
+    truth = FeatureSet(lossless_dir / "features", "eval")
+    results = {}
+    for name, cfg in (("lossless", lossless_cfg), ("compact", compact_cfg)):
+        features = FeatureSet(cfg.output_path / "features", "train")
+        draft = new_draft(cfg, target, vocab)
+        speed = train(draft, features, lm_head, args.epochs, args.steps, cfg.runtime.seed, args.learning_rate)
+        manifest = json.loads((cfg.output_path / "features" / "manifest.json").read_text())
+        results[name] = {"bytes_per_token": manifest["bytes_per_token"], "ratio_to_specforge": manifest["ratio_to_specforge"],
+                         "train_tokens_per_s": speed, **evaluate(draft, truth, lm_head, args.steps)}
+        print(name, json.dumps({key: round(value, 4) for key, value in results[name].items()}))
+    lossless, compact = results["lossless"], results["compact"]
+    change = (compact["simulated_accept_len"] - lossless["simulated_accept_len"]) / lossless["simulated_accept_len"]
+    print(f"bytes/token: lossless {lossless['bytes_per_token']:.0f} ({lossless['ratio_to_specforge']:.3f}x SpecForge), "
+          f"compact {compact['bytes_per_token']:.0f} ({compact['ratio_to_specforge']:.3f}x SpecForge)")
+    print(f"eval simulated accept length: lossless {lossless['simulated_accept_len']:.3f}, compact "
+          f"{compact['simulated_accept_len']:.3f} ({change:+.1%}; goal within 2%)")
+
+
+if __name__ == "__main__":
+    main()
