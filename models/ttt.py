@@ -121,11 +121,12 @@ def attend(queries: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor,
     return numerator / denominator
 
 
-def step_loss(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ploss = -(1/(B*T)) * sum_t mask[t] * sum_v p[t,v] * log_softmax(logits[t])[v], and the log-probs."""
+def step_loss(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor,
+              normaliser: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ploss = -(1/(B*T)) * sum_t mask[t] * sum_v p[t,v] * log_softmax(logits[t])[v] (normaliser = B*T)."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     per_position = (target_probs * log_probs).sum(-1)
-    return -(mask * per_position).sum() / mask.numel(), log_probs
+    return -(mask * per_position).sum() / normaliser, log_probs
 
 
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8,
@@ -156,11 +157,14 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
             diagonal_values.append(projections.values)
         attended = attend(projections.queries, keys0, values0, diagonal_keys, diagonal_values)
         hidden = draft.finish(hidden, attended)
-        logits = draft.logits(hidden)
-        ploss, log_probs = step_loss(logits, step_probs, step_mask)
+        # Logits only where the step has a target: the lm_head dominates the cost, and unsupervised
+        # positions (prompts, padding, past the end) add nothing to the loss or the metrics.
+        chosen = step_mask > 0
+        logits = draft.logits(hidden[chosen])
+        ploss, log_probs = step_loss(logits, step_probs[chosen], step_mask[chosen], normaliser=step_mask.numel())
         output.loss = output.loss + decay ** step * ploss
         output.ploss.append(ploss)
-        record_step_metrics(output, draft, log_probs, step_probs, step_top1, step_mask)
+        record_step_metrics(output, draft, log_probs, step_probs[chosen], step_top1[chosen], step_mask[chosen])
     return output
 
 
