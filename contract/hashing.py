@@ -25,3 +25,12 @@ def hash_files(paths: Iterable[Path], root: Path | None = None) -> str:
                 digest.update(chunk)
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def hash_file(path: Path) -> str:
+    """sha256 of one file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -17,7 +17,6 @@ canonical (sorted) JSON header, so equal content gives equal bytes and equal has
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import IO, Any, Iterable, Mapping, Sequence
 
 import torch
+
+from contract.hashing import hash_file
 
 Tensor = torch.Tensor
 MAPPING_SCHEMA = "eaglet.vocab_mapping/1"
@@ -172,11 +173,7 @@ def load_vocab_mapping(path: Path) -> VocabMapping:
 
 def mapping_hash(path: Path) -> str:
     """sha256 of the mapping file's bytes (deterministic: the writer's header is canonical)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return hash_file(path)
 
 
 # --- safetensors, streamed with a canonical header ------------------------------------------------------------

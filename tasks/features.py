@@ -35,13 +35,14 @@ element (~2-3% error), and one scale per row *and layer* ([N, 3], 6 bytes/token)
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
+
+from contract.hashing import hash_file
 
 from models.target_capture import resolve_aux_layer_ids
 
@@ -137,11 +138,7 @@ def check_manifest(manifest: Mapping[str, Any], cfg: Any, target_info: Any) -> N
 # --- shards --------------------------------------------------------------------------------------------------
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return hash_file(path)
 
 
 def shard_metadata(path: Path) -> dict[str, str]:
