@@ -171,7 +171,10 @@ class TrainingConfig(Section):
     save_interval: int = Field(default=100, ge=1)
     eval_interval: int = Field(default=100, ge=1)
     keep_last: int = Field(default=2, ge=1)
-    resume_from: Optional[str] = None
+    resume_from: Optional[str] = Field(default=None, description="'latest' or a checkpoint directory")
+    halt_after: Optional[int] = Field(
+        default=None, ge=1, description="stop this invocation after N steps, as a preemption would (resume continues)"
+    )
     attention_backend: Literal["sdpa", "flash_attn"] = "sdpa"
 
 

@@ -71,10 +71,24 @@ def stage(
     except KeyError as error:
         console.print(f"[red]{error.args[0]}[/red]")
         raise typer.Exit(code=2) from None
-    with tracked_run(cfg, run_name=f"{cfg.run_id}/{name}", tags={"eaglet.kind": "stage", "eaglet.stage": name}) as tracker:
-        result = function(cfg)
-        tracker.log_stage(name, result)
+    try:
+        with tracked_run(cfg, run_name=f"{cfg.run_id}/{name}", tags={"eaglet.kind": "stage", "eaglet.stage": name}) as tracker:
+            result = function(cfg)
+            tracker.log_stage(name, result)
+    except stage_errors() as error:
+        console.print(f"[red]stage {name} failed[/red]: {error}", markup=True, highlight=False)
+        raise typer.Exit(code=1) from None
     print_summaries({name: result.summary()})
+
+
+def stage_errors() -> tuple[type[Exception], ...]:
+    """Errors whose message says all a person needs: printed without a traceback."""
+    from contract.checkpoint import ContractMismatch
+    from tasks.assets import AssetMissing
+    from tasks.train import TrainingDiverged, TrainingFailed
+    from tasks.train_checkpoint import ResumeRefused
+
+    return (AssetMissing, ContractMismatch, ResumeRefused, TrainingDiverged, TrainingFailed, FileNotFoundError)
 
 
 @app.command("run")

@@ -130,8 +130,11 @@ def step_loss(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tens
 
 
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8,
-                positions: Optional[torch.Tensor] = None) -> TTTOutput:
-    """Unroll `steps` draft steps with teacher forcing; loss = sum_k decay**k * ploss_k."""
+                positions: Optional[torch.Tensor] = None, normaliser: Optional[int] = None) -> TTTOutput:
+    """Unroll `steps` draft steps with teacher forcing; loss = sum_k decay**k * ploss_k.
+
+    `normaliser` is the B*T of the formula; by default the batch's padded size. A data-parallel step
+    passes the global batch's token count so every rank's share adds up to the same loss."""
     size, length = batch.input_ids.shape
     if positions is None:
         positions = torch.arange(length, device=batch.input_ids.device).expand(size, -1)
@@ -161,7 +164,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         # positions (prompts, padding, past the end) add nothing to the loss or the metrics.
         chosen = step_mask > 0
         logits = draft.logits(hidden[chosen])
-        ploss, log_probs = step_loss(logits, step_probs[chosen], step_mask[chosen], normaliser=step_mask.numel())
+        ploss, log_probs = step_loss(logits, step_probs[chosen], step_mask[chosen], normaliser=normaliser or step_mask.numel())
         output.loss = output.loss + decay ** step * ploss
         output.ploss.append(ploss)
         record_step_metrics(output, draft, log_probs, step_probs[chosen], step_top1[chosen], step_mask[chosen])

@@ -1,0 +1,134 @@
+"""Trainer checkpoints that make a resumed run continue exactly as if it had never stopped.
+
+`checkpoints/step-00000N/` holds the draft weights, the optimizer and scheduler state, every rank's RNG
+states, the data cursor, the run config, and the `math` fields (everything that changes the numbers). A
+checkpoint is written under a temp name and renamed; the last `keep_last` are kept, plus the best by eval
+`simulated_accept_len`. Resuming with a different `math` field is refused, naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy
+import torch
+from safetensors.torch import load_file, save_file
+
+from contract.config import RunConfig
+from tasks.artifacts import atomic_directory
+from tasks.train_data import Cursor
+
+BEST_LINK = "best.json"
+
+
+class ResumeRefused(ValueError):
+    """A checkpoint trained under different math than the run that wants to continue it."""
+
+
+def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str) -> dict[str, Any]:
+    """Settings that change the weights a run produces (intervals and retention do not)."""
+    training = cfg.training
+    return {
+        "training.mode": training.mode, "training.ttt_length": training.ttt_length,
+        "training.learning_rate": training.learning_rate, "training.weight_decay": training.weight_decay,
+        "training.warmup_ratio": training.warmup_ratio, "training.max_grad_norm": training.max_grad_norm,
+        "training.epochs": training.epochs, "training.max_steps": training.max_steps,
+        "training.tokens_per_step": training.tokens_per_step, "training.grad_accumulation": training.grad_accumulation,
+        "capture.aux_layer_ids": cfg.capture.aux_layer_ids, "capture.draft_vocab_size": cfg.capture.draft_vocab_size,
+        "runtime.seed": cfg.runtime.seed, "deployment.trainer.nproc_per_node": world_size,
+        "features.fingerprint": features_fingerprint,
+    }
+
+
+@dataclass
+class TrainerState:
+    step: int
+    cursor: Cursor
+    math: dict[str, Any]
+    scheduler: dict[str, Any]
+    eval_metrics: dict[str, float]
+    best_simulated_accept_len: Optional[float] = None
+
+
+def rng_state() -> dict[str, Any]:
+    numpy_state = numpy.random.get_state()
+    return {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = state["numpy"]
+    numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def save_checkpoint(root: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+                    rank_rng: list[dict[str, Any]], config_yaml: str) -> Path:
+    """Write one checkpoint atomically (rank 0 calls this with every rank's RNG state)."""
+    target = checkpoint_dir(root, state.step)
+    with atomic_directory(target) as staging:
+        save_file({name: value.detach().cpu().contiguous() for name, value in draft.state_dict().items()},
+                  str(staging / "draft.safetensors"))
+        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        payload = asdict(state)
+        (staging / "trainer_state.json").write_text(json.dumps(payload, indent=2) + "\n")
+        for rank, rng in enumerate(rank_rng):
+            (staging / f"rng-rank{rank}.json").write_text(json.dumps(rng))
+        (staging / "config.yaml").write_text(config_yaml)
+    return target
+
+
+def load_checkpoint(directory: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> TrainerState:
+    """Restore weights, optimizer and this rank's RNG; returns the trainer state (safe loads only)."""
+    draft.load_state_dict(load_file(str(directory / "draft.safetensors")))
+    optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+    payload = json.loads((directory / "trainer_state.json").read_text())
+    restore_rng(json.loads((directory / f"rng-rank{rank}.json").read_text()))
+    payload["cursor"] = Cursor(**payload["cursor"])
+    return TrainerState(**payload)
+
+
+def check_resumable(saved: dict[str, Any], wanted: dict[str, Any], directory: Path) -> None:
+    differing = [f"{name}: checkpoint {saved.get(name)!r}, run {value!r}" for name, value in wanted.items() if saved.get(name) != value]
+    if differing:
+        raise ResumeRefused(f"cannot resume from {directory}: it was trained with other settings:\n  - " + "\n  - ".join(differing))
+
+
+def find_checkpoint(root: Path, resume_from: Optional[str]) -> Optional[Path]:
+    """`latest` -> the newest complete checkpoint (None if there is none); a path -> that checkpoint."""
+    if resume_from is None:
+        return None
+    if resume_from != "latest":
+        path = Path(resume_from)
+        if not (path / "trainer_state.json").is_file():
+            raise FileNotFoundError(f"training.resume_from '{resume_from}' is not a trainer checkpoint")
+        return path
+    candidates = sorted(path for path in root.glob("step-*") if (path / "trainer_state.json").is_file())
+    return candidates[-1] if candidates else None
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints and the best one."""
+    best = json.loads((root / BEST_LINK).read_text())["checkpoint"] if (root / BEST_LINK).is_file() else None
+    checkpoints = sorted(path for path in root.glob("step-*") if (path / "trainer_state.json").is_file())
+    for path in checkpoints[:-keep_last]:
+        if path.name != best:
+            shutil.rmtree(path)
+
+
+def record_best(root: Path, directory: Path, value: float) -> None:
+    (root / BEST_LINK).write_text(json.dumps({"checkpoint": directory.name, "simulated_accept_len": value}) + "\n")

@@ -1,0 +1,115 @@
+"""train stage on captured tiny-target features: learning, exact resume, refusals, NaN, and two ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from flows.cli import app
+from models.vocab_mapping import write_safetensors_file
+from tasks import train
+from tasks.train_checkpoint import ResumeRefused
+from training_run import captured_run, copy_run
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path):
+    return captured_run(tmp_path_factory.mktemp("train") / "base", tiny_target_dir)
+
+
+def fresh(base_run, tmp_path: Path, name: str, **training):
+    directory = tmp_path / name
+    copy_run(base_run.output_path, directory)
+    update = {"output_dir": str(directory), "training": base_run.training.model_copy(update=training)}
+    return base_run.model_copy(update=update)
+
+
+def losses(cfg) -> dict[int, float]:
+    rows = [json.loads(line) for line in (cfg.output_path / "train" / "steps.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def weights(cfg, engine: str = "sglang") -> dict[str, torch.Tensor]:
+    return load_file(str(cfg.output_path / "draft" / engine / "model.safetensors"))
+
+
+def test_training_improves_acceptance_and_exports_the_draft(base_run, tmp_path: Path) -> None:
+    cfg = fresh(base_run, tmp_path, "run")
+    result = train.run(cfg)
+    summary = result.values
+    assert summary["complete"] and summary["steps"] == summary["total_steps"] > 10
+    assert summary["eval_simulated_accept_len"] > summary["untrained_simulated_accept_len"] + 0.5, summary
+    for engine in ("sglang", "vllm"):
+        config = json.loads((cfg.output_path / "draft" / engine / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (cfg.output_path / "train" / "accuracy_by_depth.png").is_file()
+    assert len(losses(cfg)) == summary["steps"]
+    kept = sorted(path.name for path in (cfg.output_path / "checkpoints").glob("step-*"))
+    best = json.loads((cfg.output_path / "checkpoints" / "best.json").read_text())["checkpoint"]
+    assert len(kept) <= cfg.training.keep_last + 1 and best in kept and kept[-1] == f"step-{int(summary['steps']):08d}"
+
+
+def test_halt_and_resume_is_bit_identical_to_a_straight_run(base_run, tmp_path: Path) -> None:
+    straight = fresh(base_run, tmp_path, "straight")
+    train.run(straight)
+    halted = fresh(base_run, tmp_path, "halted", halt_after=9)
+    first = train.run(halted)
+    assert not first.values["complete"] and first.values["steps"] == 9
+    resumed = train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "latest"})}))
+    assert resumed.values["complete"]
+    expected, actual = weights(straight), weights(halted)
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+    assert losses(halted) == losses(straight)
+
+
+def test_resume_with_another_ttt_length_is_refused(base_run, tmp_path: Path) -> None:
+    cfg = fresh(base_run, tmp_path, "run", max_steps=4)
+    train.run(cfg)
+    changed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"ttt_length": 2, "resume_from": "latest"})})
+    with pytest.raises(ResumeRefused, match="training.ttt_length: checkpoint 3, run 2"):
+        train.run(changed)
+
+
+def test_nan_loss_stops_with_the_step_and_records(base_run, tmp_path: Path) -> None:
+    cfg = fresh(base_run, tmp_path, "poisoned")
+    shard = cfg.output_path / "features" / "train" / "shard-00000.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(shard), "pt") as handle:
+        metadata = handle.metadata()
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    tensors["aux_hidden_state"][0, 0] = float("nan")
+    size = shard.stat().st_size
+    write_safetensors_file(shard, tensors, metadata)
+    assert shard.stat().st_size == size, "same layout, only a value changed"
+    with pytest.raises(train.TrainingDiverged, match=r"at step \d+ \(records .*chats:"):
+        train.run(cfg)
+    config = tmp_path / "poisoned.yaml"
+    config.write_text(json.dumps(cfg.model_dump(mode="json")))
+    result = CliRunner().invoke(app, ["stage", "train", "--config", str(config)])
+    assert result.exit_code == 1 and "loss is not finite" in result.output
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_and_resume_exactly(base_run, tmp_path: Path) -> None:
+    one = fresh(base_run, tmp_path, "one")
+    train.run(one)
+    two = fresh(base_run, tmp_path, "two")
+    two = two.model_copy(update={"deployment": two.deployment.model_copy(update={"trainer": two.deployment.trainer.model_copy(update={"nproc_per_node": 2})})})
+    result = train.run(two)
+    assert result.values["world_size"] == 2 and result.values["complete"]
+    single, double = losses(one), losses(two)
+    assert single.keys() == double.keys()
+    assert all(abs(single[step] - double[step]) < 1e-5 for step in single), (single, double)
+
+    halted = fresh(base_run, tmp_path, "two-halted", halt_after=7)
+    halted = halted.model_copy(update={"deployment": two.deployment})
+    train.run(halted)
+    train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "latest"})}))
+    assert all(torch.equal(weights(two)[name], weights(halted)[name]) for name in weights(two))
