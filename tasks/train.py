@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -238,7 +239,9 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     math_now = math_fields(cfg, env.world_size, train_set.manifest.get("fingerprint", ""))
     state = TrainerState(step=0, cursor=Cursor(), math=math_now, scheduler={}, eval_metrics={})
     checkpoint = find_checkpoint(cfg.output_path / "checkpoints", cfg.training.resume_from)
-    if checkpoint is not None:
+    if checkpoint is None:
+        start_fresh(cfg, env)
+    else:
         check_resumable(read_json(checkpoint / "trainer_state.json")["math"], math_now, checkpoint)
         state = load_checkpoint(checkpoint, draft, optimizer, env.rank)
         scheduler.load_state_dict(state.scheduler)
@@ -249,6 +252,18 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
         before = evaluate(loop) if env.is_main and state.step == 0 else {}
         run_steps(loop, plans)
         return finish(loop, before)
+
+
+def start_fresh(cfg: RunConfig, env: Distributed) -> None:
+    """A run that does not resume replaces the previous run's checkpoints, step log and exports."""
+    if env.is_main:
+        for name in ("checkpoints", "train/steps.jsonl", "train/summary.json", "draft"):
+            path = cfg.output_path / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+    env.barrier()
 
 
 def run_steps(loop: Loop, plans: list[list[list[int]]]) -> None:

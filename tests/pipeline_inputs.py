@@ -34,5 +34,7 @@ def tiny_run_config(output_dir: str, model_dir: Path, chats: str, tracking: dict
         "regeneration": {"max_new_tokens": 8, "batch_size": 4},
         "validation": {"max_length": 256, "eval_fraction": 0.25},
         "capture": {"aux_layer_ids": [1, 2, 3], "draft_vocab_size": 128, "records_per_shard": 2},
+        "training": {"ttt_length": 2, "max_steps": 3, "tokens_per_step": 256, "eval_interval": 2, "save_interval": 2},
+        "deployment": {"trainer": {"nproc_per_node": 1}},
         "tracking": tracking,
     }

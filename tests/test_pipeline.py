@@ -28,7 +28,8 @@ def test_prefect_flow_runs_the_stages_and_tracks_them(prefect_harness, tmp_path:
     state = pipeline(str(config), ["validation.max_length=512"], return_state=True)
     assert state.is_completed(), state
     summaries = state.result()
-    assert list(summaries) == ["target", "ingest", "regenerate", "validate", "capture"]
+    assert list(summaries) == ["target", "ingest", "regenerate", "validate", "capture", "train"]
+    assert summaries["train"]["complete"] == 1 and summaries["train"]["steps"] >= 1 and (tmp_path / "out" / "draft" / "sglang" / "model.safetensors").is_file()
     assert summaries["ingest"] == {"input": 84, "ok": 6, "error": 1, "skipped": 77}
     regenerated = summaries["regenerate"]
     assert (regenerated["input"], regenerated["ok"], regenerated["skipped"]) == (6, 5, 1), "pre-templated text is skipped"
@@ -41,7 +42,10 @@ def test_prefect_flow_runs_the_stages_and_tracks_them(prefect_harness, tmp_path:
 
     client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
     experiment = client.get_experiment_by_name("flow-test")
-    (run,) = client.search_runs([experiment.experiment_id])
+    (run,) = client.search_runs([experiment.experiment_id], "tags.\"eaglet.kind\" = 'pipeline'")
+    (training,) = client.search_runs([experiment.experiment_id], "tags.\"eaglet.stage\" = 'train'")
+    assert training.data.tags["mlflow.parentRunId"] == run.info.run_id
+    assert "train.loss" in training.data.metrics and "eval.simulated_accept_len" in training.data.metrics
     assert run.info.status == "FINISHED"
     assert run.data.params["validation.max_length"] == "512"
     assert run.data.params["model.source"] == "local"
