@@ -28,6 +28,7 @@ from models.vocab_mapping import load_vocab_mapping
 from tasks import capture
 from tasks.feature_batches import collate
 from tasks.features import FeatureSet
+from tasks.train import evaluate_features
 
 
 def run_config(output_dir: Path, mode: str) -> RunConfig:
@@ -76,26 +77,6 @@ def train(draft: Eagle3Draft, features: FeatureSet, lm_head: torch.Tensor, epoch
     return tokens / (time.perf_counter() - started)
 
 
-def evaluate(draft: Eagle3Draft, features: FeatureSet, lm_head: torch.Tensor, steps: int) -> dict[str, float]:
-    """Acceptance metrics over all eval records, weighted by supervised positions."""
-    sums: dict[str, float] = {}
-    counts = [0.0] * steps
-    with torch.no_grad():
-        for record in features:
-            output = ttt_forward(draft, collate([record], lm_head, draft.t2d), steps)
-            for step in range(steps):
-                weight = output.supervised[step]
-                counts[step] += weight
-                sums[f"acc_{step}"] = sums.get(f"acc_{step}", 0.0) + output.acc[step] * weight
-    metrics = {name: value / counts[int(name.split("_")[1])] for name, value in sums.items()}
-    running, total = 1.0, 0.0
-    for step in range(steps):
-        running *= metrics[f"acc_{step}"]
-        total += running
-    metrics["simulated_accept_len"] = total
-    return metrics
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="artifacts/embedded-default")
@@ -119,7 +100,7 @@ def main() -> None:
         speed = train(draft, features, lm_head, args.epochs, args.steps, cfg.runtime.seed, args.learning_rate)
         manifest = json.loads((cfg.output_path / "features" / "manifest.json").read_text())
         results[name] = {"bytes_per_token": manifest["bytes_per_token"], "ratio_to_specforge": manifest["ratio_to_specforge"],
-                         "train_tokens_per_s": speed, **evaluate(draft, truth, lm_head, args.steps)}
+                         "train_tokens_per_s": speed, **evaluate_features(draft, truth, lm_head, args.steps)}
         print(name, json.dumps({key: round(value, 4) for key, value in results[name].items()}))
     lossless, compact = results["lossless"], results["compact"]
     change = (compact["simulated_accept_len"] - lossless["simulated_accept_len"]) / lossless["simulated_accept_len"]

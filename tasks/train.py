@@ -365,14 +365,19 @@ def save(loop: Loop) -> None:
 
 
 def evaluate(loop: Loop) -> dict[str, float]:
-    """Eval acceptance metrics over the eval features, weighted by supervised positions (rank 0)."""
+    """Eval acceptance metrics of the draft being trained (rank 0)."""
     if loop.eval_set is None:
         return {}
-    steps = loop.cfg.training.ttt_length
+    return evaluate_features(loop.draft, loop.eval_set, loop.heads.lm_head, loop.cfg.training.ttt_length)
+
+
+def evaluate_features(draft: Eagle3Draft, features: FeatureSet, lm_head: torch.Tensor, steps: int) -> dict[str, float]:
+    """acc_k, expected acceptance and ploss per depth over every record, weighted by supervised positions,
+    and the simulated accept length of a chain of `steps`."""
     correct, counts, accepted, ploss = [0.0] * steps, [0.0] * steps, [0.0] * steps, [0.0] * steps
     with torch.no_grad():
-        for record in loop.eval_set:
-            output = ttt_forward(loop.draft, collate([record], loop.heads.lm_head, loop.draft.t2d), steps)
+        for record in features:
+            output = ttt_forward(draft, collate([record], lm_head, draft.t2d), steps)
             for step in range(steps):
                 counts[step] += output.supervised[step]
                 correct[step] += output.acc[step] * output.supervised[step]
@@ -386,7 +391,7 @@ def evaluate(loop: Loop) -> dict[str, float]:
         simulated += running
         metrics[f"acc_{step}"] = accuracy
         metrics[f"expected_accept_{step}"] = accepted[step] / counts[step] if counts[step] else 0.0
-        metrics[f"ploss_{step}"] = ploss[step] / len(loop.eval_set)
+        metrics[f"ploss_{step}"] = ploss[step] / len(features)
     metrics["simulated_accept_len"] = simulated
     return metrics
 
