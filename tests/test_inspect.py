@@ -15,6 +15,7 @@ from contract.records import Message, PromptRecord, Provenance
 from flows.cli import app
 from tasks import target
 from tasks.inspect_sample import inspection_rows
+from training_run import peaked_target
 
 TWO_TURNS = PromptRecord(
     id="chats:two",
@@ -73,24 +74,11 @@ def test_inspect_command_prints_the_table(tmp_path: Path, tiny_target_dir: Path)
     assert missing.exit_code == 2 and "no record with id 'chats:absent'" in missing.output
 
 
-def peaked_copy(source: Path, destination: Path) -> Path:
-    """The tiny target with a peaked next-token distribution (like a trained LM), so greedy choices are clear."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
-    model.save_pretrained(destination)
-    AutoTokenizer.from_pretrained(source).save_pretrained(destination)
-    return destination
-
-
 def test_features_line_up_with_tokens_and_the_teacher_predicts_the_next_one(tmp_path: Path, tiny_target_dir: Path) -> None:
     from tasks import capture, ingest, regenerate
     from tasks.inspect_sample import feature_rows, find_feature_record
 
-    model_dir = peaked_copy(tiny_target_dir, tmp_path / "peaked")
+    model_dir = peaked_target(tiny_target_dir, tmp_path / "peaked")
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"id": "two", "messages": [
         {"role": "user", "content": "Hello, how are you?"}, {"role": "assistant", "content": "x"},
