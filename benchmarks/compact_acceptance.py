@@ -49,8 +49,8 @@ def compact_run_dir(lossless_dir: Path) -> Path:
     return compact
 
 
-def new_draft(cfg: RunConfig, target, vocab) -> Eagle3Draft:
-    torch.manual_seed(cfg.runtime.seed)
+def new_draft(cfg: RunConfig, target, vocab, seed: int) -> Eagle3Draft:
+    torch.manual_seed(seed)
     ids = json.loads((cfg.output_path / "features" / "manifest.json").read_text())["aux_layer_ids"]
     draft = Eagle3Draft(Eagle3Config.from_target(target.config, vocab.draft_vocab_size, ids))
     draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="init + data-order seeds, averaged")
     args = parser.parse_args()
     lossless_dir = Path(args.output_dir)
     compact_dir = compact_run_dir(lossless_dir)
@@ -93,21 +94,24 @@ def main() -> None:
     lm_head = target.get_output_embeddings().weight.detach()
     vocab = load_vocab_mapping(lossless_dir / "vocab" / "vocab_mapping.safetensors")
     truth = FeatureSet(lossless_dir / "features", "eval")
-    results = {}
-    for name, cfg in (("lossless", lossless_cfg), ("compact", compact_cfg)):
-        features = FeatureSet(cfg.output_path / "features", "train")
-        draft = new_draft(cfg, target, vocab)
-        speed = train(draft, features, lm_head, args.epochs, args.steps, cfg.runtime.seed, args.learning_rate)
-        manifest = json.loads((cfg.output_path / "features" / "manifest.json").read_text())
-        results[name] = {"bytes_per_token": manifest["bytes_per_token"], "ratio_to_specforge": manifest["ratio_to_specforge"],
-                         "train_tokens_per_s": speed, **evaluate_features(draft, truth, lm_head, args.steps)}
-        print(name, json.dumps({key: round(value, 4) for key, value in results[name].items()}))
-    lossless, compact = results["lossless"], results["compact"]
-    change = (compact["simulated_accept_len"] - lossless["simulated_accept_len"]) / lossless["simulated_accept_len"]
-    print(f"bytes/token: lossless {lossless['bytes_per_token']:.0f} ({lossless['ratio_to_specforge']:.3f}x SpecForge), "
-          f"compact {compact['bytes_per_token']:.0f} ({compact['ratio_to_specforge']:.3f}x SpecForge)")
-    print(f"eval simulated accept length: lossless {lossless['simulated_accept_len']:.3f}, compact "
-          f"{compact['simulated_accept_len']:.3f} ({change:+.1%}; goal within 2%)")
+    results: dict[str, list[dict[str, float]]] = {"lossless": [], "compact": []}
+    for seed in args.seeds:
+        for name, cfg in (("lossless", lossless_cfg), ("compact", compact_cfg)):
+            features = FeatureSet(cfg.output_path / "features", "train")
+            draft = new_draft(cfg, target, vocab, seed)
+            speed = train(draft, features, lm_head, args.epochs, args.steps, seed, args.learning_rate)
+            manifest = json.loads((cfg.output_path / "features" / "manifest.json").read_text())
+            row = {"seed": seed, "bytes_per_token": manifest["bytes_per_token"], "ratio_to_specforge": manifest["ratio_to_specforge"],
+                   "train_tokens_per_s": speed, **evaluate_features(draft, truth, lm_head, args.steps)}
+            results[name].append(row)
+            print(name, json.dumps({key: round(value, 4) for key, value in row.items()}), flush=True)
+    mean = {name: sum(row["simulated_accept_len"] for row in rows) / len(rows) for name, rows in results.items()}
+    first = {name: rows[0] for name, rows in results.items()}
+    change = (mean["compact"] - mean["lossless"]) / mean["lossless"]
+    print(f"bytes/token: lossless {first['lossless']['bytes_per_token']:.0f} ({first['lossless']['ratio_to_specforge']:.3f}x "
+          f"SpecForge), compact {first['compact']['bytes_per_token']:.0f} ({first['compact']['ratio_to_specforge']:.3f}x SpecForge)")
+    print(f"eval simulated accept length over seeds {args.seeds}: lossless {mean['lossless']:.3f}, "
+          f"compact {mean['compact']:.3f} ({change:+.1%}; goal within 2%)")
 
 
 if __name__ == "__main__":
