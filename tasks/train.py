@@ -42,9 +42,7 @@ from tasks.features import FeatureSet, check_manifest
 from tasks.train_checkpoint import (TrainerState, check_resumable, find_checkpoint, load_checkpoint, math_fields,
                                     prune_checkpoints, record_best, rng_state, save_checkpoint)
 from tasks.train_data import Cursor, epoch_batches, rank_share
-
-ENGINES = ("sglang", "vllm")
-
+from tasks.train_outputs import ENGINES, export, plot_accuracy, training_tracker
 
 class TrainingDiverged(RuntimeError):
     """The loss stopped being a number; the message names the step and the records of the batch."""
@@ -270,7 +268,7 @@ def run_steps(loop: Loop, plans: list[list[list[int]]]) -> None:
     """The step loop, from the state's cursor; stops at total_steps or after training.halt_after steps."""
     from tasks.progress import progress_bar
 
-    cfg, env, state = loop.cfg, loop.env, loop.state
+    cfg, state = loop.cfg, loop.state
     halt_at = state.step + cfg.training.halt_after if cfg.training.halt_after else None
     with progress_bar("train", loop.total_steps) as bar:
         bar.update(bar.task_ids[0], completed=state.step)
@@ -403,7 +401,7 @@ def finish(loop: Loop, before: dict[str, float]) -> TrainResult:
     if env.is_main:
         complete = state.step >= loop.total_steps
         if complete:
-            export(loop)
+            export(cfg, loop.draft, loop.train_set.manifest, state.step, env.world_size, state.eval_metrics)
         plot = plot_accuracy(state.eval_metrics, before, cfg.output_path / "train" / "accuracy_by_depth.png")
         summary = {"steps": state.step, "total_steps": loop.total_steps, "complete": complete, "world_size": env.world_size,
                    **{f"eval_{key}": value for key, value in state.eval_metrics.items()},
@@ -420,90 +418,6 @@ def finish(loop: Loop, before: dict[str, float]) -> TrainResult:
                     loop.tracker.log_artifacts(str(cfg.output_path / "draft" / engine), f"draft/{engine}")
     env.barrier()
     return TrainResult(summary_path, read_json(summary_path))
-
-
-def export(loop: Loop) -> None:
-    from contract.checkpoint import CheckpointContract
-    from models.draft_checkpoint import save_pretrained
-    from tasks.artifacts import atomic_directory
-
-    cfg = loop.cfg
-    info = read_json(cfg.output_path / "target.json")
-    manifest = loop.train_set.manifest
-    config = loop.draft.config
-    contract = CheckpointContract(
-        target_id=info["id"], target_revision=info["revision"], tokenizer_hash=info["tokenizer_hash"],
-        chat_template_hash=info["chat_template_hash"], reasoning_mode=cfg.regeneration.reasoning,
-        draft_config=config.to_dict(), aux_layer_ids=config.aux_layer_ids,
-        fusion_dims=[3 * config.target_hidden_size, config.hidden_size], hidden_size=info["hidden_size"],
-        vocab_size=info["vocab_size"], draft_vocab_size=config.draft_vocab_size,
-        vocab_mapping_hash=manifest.get("vocab_mapping_sha256"), bos_token_id=info["bos_token_id"],
-        eos_token_id=info["eos_token_id"], pad_token_id=info["pad_token_id"],
-        training={"strategy": "offline", "ttt_length": cfg.training.ttt_length, "dtype": "float32",
-                  "steps": loop.state.step, "world_size": loop.env.world_size},
-        versions={"torch": torch.__version__}, evaluation=loop.state.eval_metrics,
-        data={"features_fingerprint": manifest.get("fingerprint"), "regeneration": cfg.regeneration.model_dump(mode="json")},
-    )
-    for engine in ENGINES:
-        with atomic_directory(cfg.output_path / "draft" / engine) as staging:
-            save_pretrained(loop.draft, staging, contract, info["num_hidden_layers"], engine=engine)
-
-
-def plot_accuracy(metrics: dict[str, float], before: dict[str, float], path: Path) -> Optional[Path]:
-    """Bar chart of eval acc_k by depth, trained vs untrained."""
-    depths = sorted(int(key.split("_")[1]) for key in metrics if key.startswith("acc_"))
-    if not depths:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    if before:
-        axis.bar([d - 0.2 for d in depths], [before[f"acc_{d}"] for d in depths], width=0.4, label="untrained")
-    axis.bar([d + 0.2 for d in depths], [metrics[f"acc_{d}"] for d in depths], width=0.4, label="trained")
-    axis.set_xlabel("draft step k")
-    axis.set_ylabel("eval acc_k")
-    axis.set_title(f"simulated accept length {metrics.get('simulated_accept_len', 0):.2f}")
-    axis.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-    return path
-
-
-class training_tracker:
-    """A nested MLflow run for training on rank 0 (inert elsewhere or when tracking is off)."""
-
-    def __init__(self, cfg: RunConfig, env: Distributed) -> None:
-        self.cfg, self.env, self.run = cfg, env, None
-
-    def __enter__(self) -> Any:
-        if not (self.cfg.tracking.enabled and self.env.is_main):
-            return None
-        import mlflow
-
-        from flows.tracking import tracking_uri
-
-        active = mlflow.active_run()
-        if active is None:
-            mlflow.set_tracking_uri(tracking_uri(self.cfg))
-            mlflow.set_experiment(self.cfg.tracking.experiment)
-        tags = {"eaglet.run_id": self.cfg.run_id, "eaglet.stage": "train"}
-        parent = os.environ.get("EAGLET_PARENT_RUN_ID")
-        if parent:
-            tags["mlflow.parentRunId"] = parent
-        self.run = mlflow.start_run(run_name=f"{self.cfg.run_id}/train", nested=active is not None, tags=tags)
-        mlflow.log_text(config_as_yaml(self.cfg), "config/run.yaml")
-        return mlflow
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.run is not None:
-            import mlflow
-
-            mlflow.end_run("FAILED" if exc[0] else "FINISHED")
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from contract.config import RunConfig
-from contract.records import Outcome, PromptRecord, StageReport
+from contract.records import Outcome, StageReport
 from expectations.record_checks import CheckSettings, DerivedRecord, derive
 from tasks import data_split
 from tasks.artifacts import atomic_directory, read_json, write_json, write_jsonl

@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import sys
-import textwrap
 import time
 from pathlib import Path
 
