@@ -34,6 +34,15 @@ class TTTBatch:
     target_top1_in_draft: torch.Tensor  # [B, T] bool
 
 
+def simulated_accept_length(accuracies: list[float]) -> float:
+    """sum_k prod_{j<=k} acc_j: the expected accepted length of a chain draft of len(accuracies) steps."""
+    total, running = 0.0, 1.0
+    for accuracy in accuracies:
+        running *= accuracy
+        total += running
+    return total
+
+
 @dataclass
 class TTTOutput:
     loss: torch.Tensor
@@ -44,12 +53,7 @@ class TTTOutput:
 
     @property
     def simulated_accept_len(self) -> float:
-        """sum_k prod_{j<=k} acc_j: the expected accepted length of a chain draft of L steps."""
-        total, running = 0.0, 1.0
-        for accuracy in self.acc:
-            running *= accuracy
-            total += running
-        return total
+        return simulated_accept_length(self.acc)
 
     def metrics(self) -> dict[str, float]:
         values = {"loss": float(self.loss.detach()), "simulated_accept_len": self.simulated_accept_len}

@@ -187,13 +187,16 @@ def load_shard(path: Path, mode: str | None = None) -> tuple[dict[str, Tensor], 
     return tensors, record_ids, metadata
 
 
+def record_slice(tensors: Mapping[str, Tensor], record_ids: list[str], index: int) -> dict[str, Any]:
+    """One record's dict: its id and every per-token tensor sliced by offsets (views, no copies)."""
+    start, end = int(tensors["offsets"][index]), int(tensors["offsets"][index + 1])
+    return {"id": record_ids[index], **{name: value[start:end] for name, value in tensors.items() if name != "offsets"}}
+
+
 def record_slices(tensors: Mapping[str, Tensor], record_ids: list[str]) -> Iterator[dict[str, Any]]:
-    """Per-record dicts (id + every per-token tensor sliced by offsets; views, no copies)."""
-    offsets = tensors["offsets"].tolist()
-    per_token = [name for name in tensors if name != "offsets"]
-    for index, record_id in enumerate(record_ids):
-        start, end = offsets[index], offsets[index + 1]
-        yield {"id": record_id, **{name: tensors[name][start:end] for name in per_token}}
+    """Per-record dicts of a shard, in order."""
+    for index in range(len(record_ids)):
+        yield record_slice(tensors, record_ids, index)
 
 
 @dataclass
@@ -271,10 +274,7 @@ class FeatureSet:
         index %= len(self)
         shard = bisect.bisect_right(self._starts, index) - 1
         tensors, record_ids = self._shard(shard)
-        local = index - self._starts[shard]
-        offsets = tensors["offsets"]
-        start, end = int(offsets[local]), int(offsets[local + 1])
-        return {"id": record_ids[local], **{name: value[start:end] for name, value in tensors.items() if name != "offsets"}}
+        return record_slice(tensors, record_ids, index - self._starts[shard])
 
     def aux_rows(self, record: Mapping[str, Tensor], dtype: torch.dtype = torch.float32) -> Tensor:
         """The record's aux rows as `dtype` (dequantised in compact mode)."""

@@ -34,7 +34,7 @@ from contract.config import RunConfig
 from contract.config_loading import config_as_yaml, load_config
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.target_heads import TargetHeads, load_target_heads
-from models.ttt import TTTBatch, TTTOutput, ttt_forward
+from models.ttt import TTTBatch, TTTOutput, simulated_accept_length, ttt_forward
 from models.vocab_mapping import load_vocab_mapping
 from tasks.artifacts import read_json, write_json
 from tasks.feature_batches import collate
@@ -382,15 +382,11 @@ def evaluate_features(draft: Eagle3Draft, features: FeatureSet, lm_head: torch.T
                 accepted[step] += output.expected_accept[step] * output.supervised[step]
                 ploss[step] += float(output.ploss[step])
     metrics: dict[str, float] = {}
-    running, simulated = 1.0, 0.0
     for step in range(steps):
-        accuracy = correct[step] / counts[step] if counts[step] else 0.0
-        running *= accuracy
-        simulated += running
-        metrics[f"acc_{step}"] = accuracy
+        metrics[f"acc_{step}"] = correct[step] / counts[step] if counts[step] else 0.0
         metrics[f"expected_accept_{step}"] = accepted[step] / counts[step] if counts[step] else 0.0
         metrics[f"ploss_{step}"] = ploss[step] / len(features)
-    metrics["simulated_accept_len"] = simulated
+    metrics["simulated_accept_len"] = simulated_accept_length([metrics[f"acc_{step}"] for step in range(steps)])
     return metrics
 
 
