@@ -176,6 +176,8 @@ class TrainingConfig(Section):
         default=None, ge=1, description="stop this invocation after N steps, as a preemption would (resume continues)"
     )
     attention_backend: Literal["sdpa", "flash_attn"] = "sdpa"
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto", description="auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU")
 
 
 class EvaluationConfig(Section):

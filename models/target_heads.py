@@ -24,6 +24,9 @@ class TargetHeads:
     lm_head: torch.Tensor
     final_norm: torch.Tensor
 
+    def to(self, device: torch.device) -> "TargetHeads":
+        return TargetHeads(self.embedding.to(device), self.lm_head.to(device), self.final_norm.to(device))
+
 
 def tensor_locations(directory: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from the shard index or the single file."""

@@ -80,14 +80,49 @@ def shift_left(x: torch.Tensor, steps: int, fill: float | int = 0) -> torch.Tens
     return shifted
 
 
+ATTENTION_BACKENDS = ("sdpa", "flash_attn")
+
+
+def check_attention_backend(backend: str) -> None:
+    """Fail before training starts when the configured backend cannot run here."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"training.attention_backend {backend!r}: expected one of {ATTENTION_BACKENDS}")
+    if backend == "sdpa":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError("training.attention_backend 'flash_attn' needs a CUDA GPU; use 'sdpa' on CPU")
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        raise ValueError("training.attention_backend 'flash_attn' needs the flash-attn package: "
+                         "pip install 'eaglet[cuda]' (or use 'sdpa')") from None
+
+
+def causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                     backend: str = "sdpa") -> torch.Tensor:
+    """Plain causal attention over [B, h, T, d] tensors with equal head counts, by the chosen kernel.
+
+    flash_attn takes [B, T, h, d] in bf16/fp16; its result is cast back so the merge in `attend` runs in the
+    queries' dtype. Only the output is used (never flash's log-sum-exp, which carries no gradient)."""
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+    from flash_attn import flash_attn_func
+
+    half = torch.bfloat16 if queries.dtype == torch.float32 else queries.dtype
+    out = flash_attn_func(queries.transpose(1, 2).to(half), keys.transpose(1, 2).to(half),
+                          values.transpose(1, 2).to(half), softmax_scale=scale, causal=True)
+    return out.transpose(1, 2).to(queries.dtype)
+
+
 def attend(queries: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor,
-           diagonal_keys: list[torch.Tensor], diagonal_values: list[torch.Tensor]) -> torch.Tensor:
+           diagonal_keys: list[torch.Tensor], diagonal_values: list[torch.Tensor], backend: str = "sdpa") -> torch.Tensor:
     """Causal attention over the step-0 keys plus, for each query t, the diagonal keys at t (exact).
 
     With Z = sum of exp(causal scores) and O the causal attention output, the answer is
     (Z O + sum_j e^{s_j} V_j) / (Z + sum_j e^{s_j}). One fused causal call over a sequence that starts with a
     virtual key (score m_t = max_j s_j, chosen per query through one extra query channel) yields
-    Z O / D, Z / D and e^{m_t} / D with D = e^{m_t} + Z, which is all the merge needs.
+    Z O / D, Z / D and e^{m_t} / D with D = e^{m_t} + Z, which is all the merge needs. The trick needs no
+    mask, so any causal kernel (`backend`) runs it, and gradients flow through its outputs only.
     """
     groups = queries.shape[1] // keys0.shape[1]
     keys0 = keys0.repeat_interleave(groups, 1)
@@ -95,7 +130,7 @@ def attend(queries: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor,
     dim = queries.shape[-1]
     scale = dim ** -0.5
     if not diagonal_keys:
-        return F.scaled_dot_product_attention(queries, keys0, values0, is_causal=True, scale=scale)
+        return causal_attention(queries, keys0, values0, scale, backend)
     diag_k = torch.stack([key.repeat_interleave(groups, 1) for key in diagonal_keys])      # [k, B, h, T, d]
     diag_v = torch.stack([value.repeat_interleave(groups, 1) for value in diagonal_values])
     scores = (queries.unsqueeze(0) * diag_k).sum(-1) * scale                              # [k, B, h, T]
@@ -114,10 +149,8 @@ def attend(queries: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor,
     virtual_k[..., dim] = 1.0                                    # score q_aug . k* = m_t
     virtual_v = virtual_q.clone()
     virtual_v[..., dim] = 1.0                                    # the virtual key's share: e^{m_t} / D
-    out = F.scaled_dot_product_attention(
-        torch.cat([virtual_q, q_aug], dim=2), torch.cat([virtual_k, k_aug], dim=2),
-        torch.cat([virtual_v, v_aug], dim=2), is_causal=True, scale=scale,
-    )[:, :, 1:]
+    out = causal_attention(torch.cat([virtual_q, q_aug], dim=2), torch.cat([virtual_k, k_aug], dim=2),
+                           torch.cat([virtual_v, v_aug], dim=2), scale, backend)[:, :, 1:]
     causal_part, virtual_share, real_share = out[..., :dim], out[..., dim:dim + 1], out[..., dim + 1:dim + 2]
     weights = torch.exp(scores - peak).unsqueeze(-1)                                      # e^{s_j - m_t}
     numerator = causal_part + virtual_share * (weights * diag_v).sum(0)
@@ -134,7 +167,8 @@ def step_loss(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tens
 
 
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8,
-                positions: Optional[torch.Tensor] = None, normaliser: Optional[int] = None) -> TTTOutput:
+                positions: Optional[torch.Tensor] = None, normaliser: Optional[int] = None,
+                attention_backend: str = "sdpa") -> TTTOutput:
     """Unroll `steps` draft steps with teacher forcing; loss = sum_k decay**k * ploss_k.
 
     `normaliser` is the B*T of the formula; by default the batch's padded size. A data-parallel step
@@ -162,7 +196,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         else:
             diagonal_keys.append(projections.keys)
             diagonal_values.append(projections.values)
-        attended = attend(projections.queries, keys0, values0, diagonal_keys, diagonal_values)
+        attended = attend(projections.queries, keys0, values0, diagonal_keys, diagonal_values, attention_backend)
         hidden = draft.finish(hidden, attended)
         # Logits only where the step has a target: the lm_head dominates the cost, and unsupervised
         # positions (prompts, padding, past the end) add nothing to the loss or the metrics.

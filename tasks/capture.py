@@ -36,6 +36,7 @@ from models.target_capture import capture_states, resolve_aux_layer_ids, teacher
 from models.vocab_mapping import (VocabMapping, build_vocab_mapping, count_tokens, mapping_summary,
                                   save_vocab_mapping, write_safetensors)
 from tasks.artifacts import atomic_file, read_json, write_json
+from tasks.devices import resolve_device
 from tasks.features import (AUX_CONVENTION, FP8, SCHEMA_VERSION, SHARD_SCHEMA, STRATEGY, FeatureError, file_sha256,
                             load_shard, quantise_aux)
 from tasks.progress import advance, progress_bar
@@ -112,54 +113,74 @@ class CaptureResult:
         return [self.manifest_path, self.report_path]
 
 
-def run(cfg: RunConfig) -> CaptureResult:
-    """Capture features for `<output_dir>/data/{train,eval}.jsonl` into `<output_dir>/features/`."""
+@dataclass
+class CaptureInputs:
+    """The records of both splits, tokenised and masked, with the vocab mapping built from the train split:
+    what offline capture writes shards from and what online training captures from per batch."""
+
+    info: TargetInfo
+    tokenizer: Any
+    aux_ids: list[int]
+    samples: dict[str, list[Sample]]
+    outcomes: list[Outcome]
+    source_of: dict[str, str]
+    mapping: VocabMapping
+    vocab_path: Path
+    vocab_hash: str
+    vocab_summary: dict[str, Any]
+    fingerprint: str
+
+
+def prepare_inputs(cfg: RunConfig) -> CaptureInputs:
+    """Tokenise `<output_dir>/data/{train,eval}.jsonl` and write `vocab/vocab_mapping.safetensors`."""
     out = cfg.output_path
     info = read_target_info(out)
     tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
     aux_ids = resolve_aux_layer_ids(cfg.capture.aux_layer_ids, info.num_hidden_layers)
-    vocab_size = info.vocab_size
-
     samples: dict[str, list[Sample]] = {}
     outcomes: list[Outcome] = []
     source_of: dict[str, str] = {}
     for split in SPLITS:
         samples[split] = prepare_split(out / "data" / f"{split}.jsonl", split, tokenizer, cfg.validation.max_length,
-                                       vocab_size, outcomes, source_of)
-
-    counts = count_tokens(((s.input_ids, s.loss_mask) for s in samples["train"]), vocab_size)
-    mapping = build_vocab_mapping(counts, vocab_size, cfg.capture.draft_vocab_size)
+                                       info.vocab_size, outcomes, source_of)
+    counts = count_tokens(((s.input_ids, s.loss_mask) for s in samples["train"]), info.vocab_size)
+    mapping = build_vocab_mapping(counts, info.vocab_size, cfg.capture.draft_vocab_size)
     vocab_path = out / "vocab" / "vocab_mapping.safetensors"
     vocab_summary = mapping_summary(mapping, counts)
     vocab_hash = save_vocab_mapping(mapping, vocab_path, vocab_summary)
-
-    features_dir = out / "features"
     fingerprint = settings_fingerprint(cfg, info, aux_ids, vocab_hash)
-    plans = [plan for split in SPLITS for plan in plan_shards(features_dir, split, samples[split],
-                                                              cfg.capture.records_per_shard)]
+    return CaptureInputs(info, tokenizer, aux_ids, samples, outcomes, source_of, mapping, vocab_path, vocab_hash,
+                         vocab_summary, fingerprint)
+
+
+def run(cfg: RunConfig) -> CaptureResult:
+    """Capture features for `<output_dir>/data/{train,eval}.jsonl` into `<output_dir>/features/`."""
+    inputs = prepare_inputs(cfg)
+    features_dir = cfg.output_path / "features"
+    online = cfg.training.mode == "online"  # the trainer runs the target itself: no shards on disk
+    plans = [] if online else [plan for split in SPLITS for plan in plan_shards(
+        features_dir, split, inputs.samples[split], cfg.capture.records_per_shard)]
     kept, todo = [], []
     for plan in plans:
-        (kept if shard_is_current(plan, fingerprint, cfg.capture.mode) else todo).append(plan)
+        (kept if shard_is_current(plan, inputs.fingerprint, cfg.capture.mode) else todo).append(plan)
     remove_stale_files(features_dir, plans)
 
     manifest_path = features_dir / "manifest.json"
     hashes = {plan.path: file_sha256(plan.path) for plan in kept}
     if todo:
         manifest_path.unlink(missing_ok=True)  # the features are unfinished until the manifest is back
-        model = load_model(cfg, out / "target")
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        model = load_model(cfg, cfg.output_path / "target")
         started = time.perf_counter()
         with progress_bar("capture", sum(len(plan.samples) for plan in todo)) as bar:
             for plan in todo:
-                hashes[plan.path] = write_shard(plan, model, cfg, aux_ids, mapping, fingerprint, pad_id,
-                                                lambda n: advance(bar, n))
+                hashes[plan.path] = write_shard(plan, model, cfg, inputs.aux_ids, inputs.mapping, inputs.fingerprint,
+                                                pad_token_id(inputs.tokenizer), lambda n: advance(bar, n))
         seconds = time.perf_counter() - started
     else:
         seconds = 0.0
 
-    manifest = build_manifest(cfg, info, aux_ids, mapping, vocab_path, vocab_hash, vocab_summary, plans, hashes,
-                              outcomes, fingerprint)
-    report = StageReport.from_outcomes("capture", outcomes, source_of)
+    manifest = build_manifest(cfg, inputs, plans, hashes)
+    report = StageReport.from_outcomes("capture", inputs.outcomes, inputs.source_of)
     written_tokens = sum(plan.tokens for plan in todo)
     report.metrics.update({
         "tokens": float(sum(manifest["splits"][s]["tokens"] for s in SPLITS)),
@@ -170,7 +191,7 @@ def run(cfg: RunConfig) -> CaptureResult:
     report_path = features_dir / "capture_report.json"
     write_json(report_path, report)
     write_json(manifest_path, manifest)
-    return CaptureResult(features_dir, manifest_path, report_path, vocab_path, manifest, report,
+    return CaptureResult(features_dir, manifest_path, report_path, inputs.vocab_path, manifest, report,
                          [plan.file for plan in todo], [plan.file for plan in kept])
 
 
@@ -189,14 +210,17 @@ def load_tokenizer(directory: Path, trust_remote_code: bool) -> Any:
     return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
 
 
+def pad_token_id(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def load_model(cfg: RunConfig, directory: Path) -> Any:
     from models.target_loading import load_target
 
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     model, _ = load_target(directory, cfg.model.dtype, cfg.model.trust_remote_code)
-    wants_cuda = cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and torch.cuda.is_available())
-    return model.to("cuda") if wants_cuda else model
+    return model.to(resolve_device(cfg.runtime.device))
 
 
 def prepare_split(path: Path, split: str, tokenizer: Any, max_length: int, vocab_size: int,
@@ -309,13 +333,11 @@ def write_shard(plan: ShardPlan, model: Any, cfg: RunConfig, aux_ids: list[int],
         states = capture_states(model, [plan.samples[i].input_ids for i in batch], aux_ids, pad_token_id=pad_id)
         for index, (aux, hidden) in zip(batch, states):
             sample = plan.samples[index]
-            tensors = per_record[index]
-            tensors["input_ids"] = torch.tensor(sample.input_ids, dtype=torch.int32)
-            tensors["loss_mask"] = torch.tensor(sample.loss_mask, dtype=torch.uint8)
             if settings.mode == "lossless":
-                tensors["aux_hidden_state"] = aux.to("cpu", DTYPES[settings.dtype])
-                tensors["hidden_state"] = hidden.to("cpu", DTYPES[settings.dtype])
+                per_record[index] = lossless_tensors(sample, aux, hidden, settings.dtype)
             else:
+                tensors = per_record[index]
+                tensors.update(token_tensors(sample))
                 tensors["aux_hidden_state"], tensors["aux_scale"] = quantise_aux(aux.cpu(), len(aux_ids))
                 ids, logprobs, top1 = teacher_topk(model, hidden, draft_ids, settings.compact_topk)
                 tensors.update(teacher_topk_ids=ids, teacher_topk_logprobs=logprobs, target_top1=top1)
@@ -329,6 +351,18 @@ def write_shard(plan: ShardPlan, model: Any, cfg: RunConfig, aux_ids: list[int],
         writer = HashingWriter(handle)
         write_safetensors(writer, pieces, metadata)
     return writer.digest.hexdigest()
+
+
+def token_tensors(sample: Sample) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.tensor(sample.input_ids, dtype=torch.int32),
+            "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.uint8)}
+
+
+def lossless_tensors(sample: Sample, aux: torch.Tensor, hidden: torch.Tensor, dtype: str,
+                     device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """One record's lossless features, stored in `capture.dtype` (online training rounds the same way)."""
+    return {**token_tensors(sample), "aux_hidden_state": aux.to(device, DTYPES[dtype]),
+            "hidden_state": hidden.to(device, DTYPES[dtype])}
 
 
 # --- manifest -----------------------------------------------------------------------------------------------
@@ -348,10 +382,12 @@ def tensor_layout(cfg: RunConfig, hidden_size: int, layers: int, topk: int) -> d
     return layout
 
 
-def build_manifest(cfg: RunConfig, info: TargetInfo, aux_ids: list[int], mapping: VocabMapping, vocab_path: Path,
-                   vocab_hash: str, vocab_summary: dict[str, Any], plans: list[ShardPlan], hashes: dict[Path, str],
-                   outcomes: list[Outcome], fingerprint: str) -> dict[str, Any]:
+def build_manifest(cfg: RunConfig, inputs: CaptureInputs, plans: list[ShardPlan], hashes: dict[Path, str]) -> dict[str, Any]:
+    """What was captured, how, from which target. In online training mode no shard is written: the manifest
+    still names the settings, the vocab mapping and each split's records."""
     import transformers
+
+    info, aux_ids, mapping, outcomes = inputs.info, inputs.aux_ids, inputs.mapping, inputs.outcomes
 
     hidden = info.hidden_size
     specforge = specforge_bytes_per_token(hidden)
@@ -391,8 +427,10 @@ def build_manifest(cfg: RunConfig, info: TargetInfo, aux_ids: list[int], mapping
         "num_hidden_layers": info.num_hidden_layers,
         "vocab_size": info.vocab_size,
         "draft_vocab_size": mapping.draft_vocab_size,
-        "vocab_mapping": {"path": str(Path("vocab") / vocab_path.name), "sha256": vocab_hash, **vocab_summary},
-        "vocab_mapping_sha256": vocab_hash,
+        "vocab_mapping": {"path": str(Path("vocab") / inputs.vocab_path.name), "sha256": inputs.vocab_hash,
+                          **inputs.vocab_summary},
+        "vocab_mapping_sha256": inputs.vocab_hash,
+        "online": cfg.training.mode == "online",
         "target_id": info.id,
         "target_revision": info.revision,
         "chat_template_hash": info.chat_template_hash,
@@ -400,7 +438,7 @@ def build_manifest(cfg: RunConfig, info: TargetInfo, aux_ids: list[int], mapping
         "model_dtype": cfg.model.dtype,
         "max_length": cfg.validation.max_length,
         "records_per_shard": cfg.capture.records_per_shard,
-        "fingerprint": fingerprint,
+        "fingerprint": inputs.fingerprint,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "splits": splits,
         "bytes": all_bytes,

@@ -17,27 +17,29 @@ from tasks.features import dense_teacher, dequantise_aux
 def record_teacher(record: Mapping[str, Any], lm_head_weight: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(target probs over the draft vocab, full-vocab top-1, top-1 in draft vocab) of one record."""
     if "hidden_state" in record:
-        return teacher_from_hidden(record["hidden_state"], lm_head_weight, t2d)
+        return teacher_from_hidden(record["hidden_state"].to(lm_head_weight.device), lm_head_weight, t2d)
     draft_vocab_size = int(t2d.sum())
     probs = dense_teacher(record["teacher_topk_ids"], record["teacher_topk_logprobs"], draft_vocab_size)
-    top1 = record["target_top1"].long()
+    top1 = record["target_top1"].long().to(t2d.device)
     return probs, top1, t2d[top1]
 
 
 def collate(records: Sequence[Mapping[str, Any]], lm_head_weight: torch.Tensor, t2d: torch.Tensor,
             pad_token_id: int = 0) -> TTTBatch:
-    """Right-pad records to the longest; padding is never supervised."""
+    """Right-pad records to the longest; padding is never supervised. The batch lives where the lm_head is
+    (the teacher is computed there)."""
     length = max(len(record["input_ids"]) for record in records)
     size = len(records)
     width = record_width(records[0])
     draft_vocab_size = int(t2d.sum())
+    device = lm_head_weight.device
     batch = TTTBatch(
-        input_ids=torch.full((size, length), pad_token_id, dtype=torch.long),
-        loss_mask=torch.zeros(size, length, dtype=torch.long),
-        aux_hidden_state=torch.zeros(size, length, width),
-        target_probs=torch.zeros(size, length, draft_vocab_size),
-        target_top1=torch.zeros(size, length, dtype=torch.long),
-        target_top1_in_draft=torch.zeros(size, length, dtype=torch.bool),
+        input_ids=torch.full((size, length), pad_token_id, dtype=torch.long, device=device),
+        loss_mask=torch.zeros(size, length, dtype=torch.long, device=device),
+        aux_hidden_state=torch.zeros(size, length, width, device=device),
+        target_probs=torch.zeros(size, length, draft_vocab_size, device=device),
+        target_top1=torch.zeros(size, length, dtype=torch.long, device=device),
+        target_top1_in_draft=torch.zeros(size, length, dtype=torch.bool, device=device),
     )
     for row, record in enumerate(records):
         count = len(record["input_ids"])

@@ -38,7 +38,7 @@ import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -275,6 +275,19 @@ class FeatureSet:
         shard = bisect.bisect_right(self._starts, index) - 1
         tensors, record_ids = self._shard(shard)
         return record_slice(tensors, record_ids, index - self._starts[shard])
+
+    def records(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """The records at these positions (the trainer's batch)."""
+        return [self[index] for index in indices]
+
+    def index(self) -> list[tuple[str, int]]:
+        """(record id, token count) of every record, in order."""
+        entries: list[tuple[str, int]] = []
+        for shard in range(len(self.shards)):
+            tensors, record_ids = self._shard(shard)
+            lengths = (tensors["offsets"][1:] - tensors["offsets"][:-1]).tolist()
+            entries.extend(zip(record_ids, lengths))
+        return entries
 
     def aux_rows(self, record: Mapping[str, Tensor], dtype: torch.dtype = torch.float32) -> Tensor:
         """The record's aux rows as `dtype` (dequantised in compact mode)."""

@@ -1,4 +1,5 @@
-"""train stage: the EAGLE3 draft trained with the training-time test on captured features (offline).
+"""train stage: the EAGLE3 draft trained with the training-time test, on captured features (offline) or on
+features the target computes in this process per batch (online).
 
     one process:  eaglet stage train --config params.yaml
     two ranks:    eaglet stage train --config params.yaml deployment.trainer.nproc_per_node=2
@@ -6,10 +7,16 @@
                    -m tasks.train --config <output_dir>/train/launch.yaml)
     resume:       eaglet stage train --config params.yaml training.resume_from=latest
 
-Data parallel with DistributedDataParallel (gloo on CPU, nccl on GPU): every rank plans the same global
-batches and takes its share, so N ranks compute the same steps as one. Only the draft, the target's
-lm_head, embedding and final norm are in memory. Writes `checkpoints/step-N/`, `train/steps.jsonl`,
-`train/summary.json`, `train/accuracy_by_depth.png` and the engine exports `draft/sglang`, `draft/vllm`.
+    online:       eaglet stage train --config params.yaml training.mode=online
+    FSDP2:        ... deployment.trainer.nproc_per_node=2 deployment.trainer.strategy=fsdp
+
+Data parallel (tasks/train_parallel.py: DDP by default, FSDP2 as an option; gloo on CPU, nccl on GPU):
+every rank plans the same global batches and takes its share, so N ranks compute the same steps as one.
+An optimizer step accumulates `training.grad_accumulation` micro-batches, normalised as one batch.
+Offline, only the draft and the target's lm_head, embedding and final norm are in memory; online, the
+target too. fp32 on CPU; on GPU bf16 autocast over fp32 master weights (`training.precision`).
+Writes `checkpoints/step-N/`, `train/steps.jsonl`, `train/summary.json`, `train/accuracy_by_depth.png`
+and the engine exports `draft/sglang`, `draft/vllm`.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,14 +41,17 @@ from contract.config import RunConfig
 from contract.config_loading import config_as_yaml, load_config
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.target_heads import TargetHeads, load_target_heads
-from models.ttt import TTTBatch, TTTOutput, simulated_accept_length, ttt_forward
+from models.ttt import TTTBatch, TTTOutput, check_attention_backend, simulated_accept_length, ttt_forward
 from models.vocab_mapping import load_vocab_mapping
 from tasks.artifacts import read_json, write_json
+from tasks.devices import autocast, compute_dtype, resolve_device
 from tasks.feature_batches import collate
 from tasks.features import FeatureSet, check_manifest
 from tasks.train_checkpoint import (TrainerState, check_resumable, find_checkpoint, load_checkpoint, math_fields,
                                     prune_checkpoints, record_best, rng_state, save_checkpoint)
-from tasks.train_data import Cursor, epoch_batches, rank_share
+from tasks.train_data import Cursor, epoch_batches, optimizer_steps, rank_share
+from tasks.train_parallel import (Distributed, full_draft_weights, full_optimizer_state, gradient_sync,
+                                  load_full_state, parallelise, setup_distributed)
 from tasks.train_outputs import ENGINES, export, plot_accuracy, training_tracker
 
 class TrainingDiverged(RuntimeError):
@@ -69,50 +79,21 @@ class TrainResult:
 class TTTStep(nn.Module):
     """The draft's training-time test as one module call, so DistributedDataParallel can wrap it."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int) -> None:
+    def __init__(self, draft: Eagle3Draft, steps: int, attention_backend: str = "sdpa") -> None:
         super().__init__()
         self.draft = draft
         self.steps = steps
+        self.attention_backend = attention_backend
 
     def forward(self, batch: TTTBatch, normaliser: int) -> tuple[torch.Tensor, TTTOutput]:
-        output = ttt_forward(self.draft, batch, self.steps, normaliser=normaliser)
+        output = ttt_forward(self.draft, batch, self.steps, normaliser=normaliser,
+                             attention_backend=self.attention_backend)
         return output.loss, output
-
-
-@dataclass
-class Distributed:
-    rank: int = 0
-    world_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def all_sum(self, values: list[float]) -> list[float]:
-        if self.world_size == 1:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
-
-    def gather(self, value: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [value]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
 
 
 def run(cfg: RunConfig) -> TrainResult:
     """Train (in this process, or under torchrun when more than one rank is configured)."""
-    if cfg.training.mode == "online":
-        raise ValueError("training.mode 'online' is not available yet: run the capture stage and train offline")
-    if cfg.training.grad_accumulation != 1:
-        raise ValueError("training.grad_accumulation > 1 is not available yet: raise training.tokens_per_step instead")
+    check_attention_backend(cfg.training.attention_backend)
     world = cfg.deployment.trainer.nproc_per_node
     if world > 1 and "RANK" not in os.environ:
         return launch_ranks(cfg, world)
@@ -148,16 +129,8 @@ def parent_run_env() -> dict[str, str]:
     return {"EAGLET_PARENT_RUN_ID": active.info.run_id} if active else {}
 
 
-def setup_distributed() -> Distributed:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Distributed()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend)
-    return Distributed(rank=dist.get_rank(), world_size=world)
-
-
-def build_draft(cfg: RunConfig, heads: TargetHeads, manifest: dict[str, Any]) -> Eagle3Draft:
+def build_draft(cfg: RunConfig, heads: TargetHeads, manifest: dict[str, Any], device: torch.device) -> Eagle3Draft:
+    """The seeded initial draft on `device` (heads already there): same weights on every rank."""
     from transformers import AutoConfig
 
     vocab = load_vocab_mapping(cfg.output_path / "vocab" / "vocab_mapping.safetensors")
@@ -165,6 +138,7 @@ def build_draft(cfg: RunConfig, heads: TargetHeads, manifest: dict[str, Any]) ->
     torch.manual_seed(cfg.runtime.seed)
     draft = Eagle3Draft(Eagle3Config.from_target(target_config, vocab.draft_vocab_size, manifest["aux_layer_ids"]))
     draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
+    draft.to(device)
     draft.attach_embedding(heads.embedding)
     draft.initialise_from_target(heads.lm_head, heads.final_norm)
     return draft
@@ -189,13 +163,16 @@ class Loop:
 
     cfg: RunConfig
     env: Distributed
-    draft: Eagle3Draft
+    draft: Eagle3Draft               # the trained draft; under FSDP its parameters are shards
+    full_draft: Eagle3Draft          # a whole copy for rank 0's eval and export under FSDP, else `draft`
     module: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    train_set: FeatureSet
-    eval_set: Optional[FeatureSet]
+    train_set: Any                   # FeatureSet (offline) or OnlineFeatures (online)
+    eval_set: Any
     heads: TargetHeads
+    manifest: dict[str, Any]
+    dtype: torch.dtype
     lengths: list[int]
     record_ids: list[str]
     total_steps: int
@@ -206,7 +183,7 @@ class Loop:
 
 
 def train(cfg: RunConfig) -> TrainResult:
-    env = setup_distributed()
+    env = setup_distributed(resolve_device(cfg.runtime.device))
     try:
         return train_ranks(cfg, env)
     finally:
@@ -215,41 +192,54 @@ def train(cfg: RunConfig) -> TrainResult:
 
 
 def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
-    features_dir = cfg.output_path / "features"
-    target_info = read_json(cfg.output_path / "target.json")
-    train_set = FeatureSet(features_dir, "train")
-    check_manifest(train_set.manifest, cfg, target_info)
-    eval_set = FeatureSet(features_dir, "eval") if train_set.manifest["splits"].get("eval", {}).get("records") else None
-    heads = load_target_heads(cfg.output_path / "target")
-    draft = build_draft(cfg, heads, train_set.manifest)
-    module: nn.Module = TTTStep(draft, cfg.training.ttt_length)
-    if env.world_size > 1:
-        module = nn.parallel.DistributedDataParallel(module)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
-    lengths, record_ids = [], []
-    for record in train_set:
-        lengths.append(len(record["input_ids"]))
-        record_ids.append(record["id"])
-    plans = [epoch_batches(lengths, cfg.training.tokens_per_step, cfg.runtime.seed, epoch)
+    train_set, eval_set, manifest = open_features(cfg)
+    heads = load_target_heads(cfg.output_path / "target").to(env.device)
+    draft = build_draft(cfg, heads, manifest, env.device)
+    strategy = cfg.deployment.trainer.strategy
+    sharded = strategy == "fsdp" and env.world_size > 1
+    full_draft = build_draft(cfg, heads, manifest, env.device) if sharded else draft
+    module = parallelise(TTTStep(draft, cfg.training.ttt_length, cfg.training.attention_backend), strategy, env)
+    trainable = [parameter for parameter in module.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
+    record_ids = [record_id for record_id, _ in train_set.index()]
+    lengths = [length for _, length in train_set.index()]
+    plans = [optimizer_steps(epoch_batches(lengths, cfg.training.tokens_per_step, cfg.runtime.seed, epoch),
+                             cfg.training.grad_accumulation)
              for epoch in range(cfg.training.epochs)]
     total_steps = min(cfg.training.max_steps or 10**12, sum(len(plan) for plan in plans))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(total_steps, cfg.training.warmup_ratio))
-    math_now = math_fields(cfg, env.world_size, train_set.manifest.get("fingerprint", ""))
+    dtype = compute_dtype(cfg.training.precision, env.device)
+    math_now = math_fields(cfg, env.world_size, manifest.get("fingerprint", ""), str(dtype).removeprefix("torch."))
     state = TrainerState(step=0, cursor=Cursor(), math=math_now, scheduler={}, eval_metrics={})
     checkpoint = find_checkpoint(cfg.output_path / "checkpoints", cfg.training.resume_from)
     if checkpoint is None:
         start_fresh(cfg, env)
     else:
         check_resumable(read_json(checkpoint / "trainer_state.json")["math"], math_now, checkpoint)
-        state = load_checkpoint(checkpoint, draft, optimizer, env.rank)
+        loaded = load_checkpoint(checkpoint, env.rank)
+        load_full_state(module, optimizer, loaded.weights, loaded.optimizer_state)
+        state = loaded.state
         scheduler.load_state_dict(state.scheduler)
-    loop = Loop(cfg, env, draft, module, optimizer, scheduler, train_set, eval_set, heads, lengths, record_ids,
-                total_steps, math_now, state)
+    loop = Loop(cfg, env, draft, full_draft, module, optimizer, scheduler, train_set, eval_set, heads, manifest, dtype, lengths,
+                record_ids, total_steps, math_now, state)
     with training_tracker(cfg, env) as tracker:
         loop.tracker = tracker
-        before = evaluate(loop) if env.is_main and state.step == 0 else {}
+        before = evaluate(loop) if state.step == 0 else {}
         run_steps(loop, plans)
         return finish(loop, before)
+
+
+def open_features(cfg: RunConfig) -> tuple[Any, Any, dict[str, Any]]:
+    """(train source, eval source or None, features manifest) for the configured training mode."""
+    if cfg.training.mode == "online":
+        from tasks.online_features import open_online
+
+        return open_online(cfg)
+    features_dir = cfg.output_path / "features"
+    train_set = FeatureSet(features_dir, "train")
+    check_manifest(train_set.manifest, cfg, read_json(cfg.output_path / "target.json"))
+    has_eval = train_set.manifest["splits"].get("eval", {}).get("records")
+    return train_set, FeatureSet(features_dir, "eval") if has_eval else None, train_set.manifest
 
 
 def start_fresh(cfg: RunConfig, env: Distributed) -> None:
@@ -264,7 +254,7 @@ def start_fresh(cfg: RunConfig, env: Distributed) -> None:
     env.barrier()
 
 
-def run_steps(loop: Loop, plans: list[list[list[int]]]) -> None:
+def run_steps(loop: Loop, plans: list[list[list[list[int]]]]) -> None:
     """The step loop, from the state's cursor; stops at total_steps or after training.halt_after steps."""
     from tasks.progress import progress_bar
 
@@ -288,37 +278,78 @@ def run_steps(loop: Loop, plans: list[list[list[int]]]) -> None:
                            description=f"train loss {metrics['loss']:.3f} {metrics['tokens_per_second']:.0f} tok/s")
 
 
-def train_step(loop: Loop, global_batch: list[int]) -> dict[str, float]:
+@dataclass
+class StepTotals:
+    """Sums over the micro-batches of one optimizer step (then over ranks)."""
+
+    loss: float = 0.0
+    ploss: list[float] = field(default_factory=list)
+    correct: list[float] = field(default_factory=list)
+    counts: list[float] = field(default_factory=list)
+    tokens: float = 0.0
+    waited: float = 0.0
+
+    def add(self, loss: torch.Tensor, output: TTTOutput, tokens: int, waited: float) -> None:
+        steps = len(output.acc)
+        if not self.ploss:
+            self.ploss, self.correct, self.counts = [0.0] * steps, [0.0] * steps, [0.0] * steps
+        self.loss += float(loss.detach())
+        for step in range(steps):
+            self.ploss[step] += float(output.ploss[step].detach())
+            self.correct[step] += output.acc[step] * output.supervised[step]
+            self.counts[step] += output.supervised[step]
+        self.tokens += tokens
+        self.waited += waited
+
+    def flat(self) -> list[float]:
+        return [self.loss, *self.ploss, *self.correct, *self.counts, self.tokens, self.waited]
+
+
+def micro_batch(loop: Loop, global_batch: list[int]) -> tuple[TTTBatch, list[dict[str, Any]]]:
+    """This rank's share of one micro-batch. A rank left without a record (more ranks than records) gets a
+    zero-weight copy of the first one, so the collective calls still line up."""
     env = loop.env
-    started = time.perf_counter()
     mine = rank_share(global_batch, env.rank, env.world_size)
-    idle = not mine  # more ranks than records in this batch: a zero-weight pass keeps the collectives in step
-    records = [loop.train_set[index] for index in (mine or global_batch[:1])]
+    records = loop.train_set.records(mine or global_batch[:1])
     batch = collate(records, loop.heads.lm_head, loop.draft.t2d)
-    if idle:
+    if not mine:
         batch.loss_mask.zero_()
         records = []
-    waited = time.perf_counter() - started
-    normaliser = sum(loop.lengths[index] for index in global_batch)
-    loss, output = loop.module(batch, normaliser)
-    (loss * env.world_size).backward()
-    finite = env.all_sum([0.0 if torch.isfinite(loss) else 1.0])[0] == 0.0
+    return batch, records
+
+
+def train_step(loop: Loop, micro_batches: list[list[int]]) -> dict[str, float]:
+    """One optimizer step over `grad_accumulation` micro-batches, normalised by all their tokens together,
+    so it equals one step on their union."""
+    env = loop.env
+    started = time.perf_counter()
+    normaliser = sum(loop.lengths[index] for batch in micro_batches for index in batch)
+    totals = StepTotals()
+    for position, global_batch in enumerate(micro_batches):
+        fetched = time.perf_counter()
+        batch, records = micro_batch(loop, global_batch)
+        waited = time.perf_counter() - fetched
+        with gradient_sync(loop.module, enabled=position == len(micro_batches) - 1):
+            with autocast(env.device, loop.dtype):
+                loss, output = loop.module(batch, normaliser)
+            (loss * env.world_size).backward()
+        totals.add(loss, output, sum(len(record["input_ids"]) for record in records), waited)
+    finite = env.all_sum([0.0 if math.isfinite(totals.loss) else 1.0])[0] == 0.0
     if not finite:
-        ids = [loop.record_ids[index] for index in global_batch]
+        ids = [loop.record_ids[index] for batch in micro_batches for index in batch]
         raise TrainingDiverged(f"loss is not finite at step {loop.state.step + 1} (records {', '.join(ids)})")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(loop.draft.parameters(), loop.cfg.training.max_grad_norm))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(loop.module.parameters(), loop.cfg.training.max_grad_norm))
     loop.optimizer.step()
     loop.scheduler.step()
     loop.optimizer.zero_grad(set_to_none=True)
-    counts = [output.supervised[step] for step in range(len(output.acc))]
-    correct = [output.acc[step] * counts[step] for step in range(len(output.acc))]
-    reduced = env.all_sum([float(loss.detach()), *[float(p.detach()) for p in output.ploss], *correct, *counts,
-                           float(sum(len(r["input_ids"]) for r in records)), waited])
-    steps = len(output.acc)
-    elapsed = time.perf_counter() - started
+    return step_metrics(loop, env.all_sum(totals.flat()), len(totals.ploss), time.perf_counter() - started, grad_norm)
+
+
+def step_metrics(loop: Loop, reduced: list[float], steps: int, elapsed: float, grad_norm: float) -> dict[str, float]:
+    """Per-step numbers from the rank-summed StepTotals.flat()."""
     metrics = {"loss": reduced[0], "lr": loop.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                "tokens_per_second": reduced[1 + 3 * steps] / elapsed,
-               "data_wait_share": reduced[2 + 3 * steps] / env.world_size / elapsed}
+               "data_wait_share": reduced[2 + 3 * steps] / loop.env.world_size / elapsed}
     for step in range(steps):
         metrics[f"ploss_{step}"] = reduced[1 + step]
         total = reduced[1 + 2 * steps + step]
@@ -339,21 +370,24 @@ def after_step(loop: Loop, metrics: dict[str, float]) -> None:
             handle.write(json.dumps(record) + "\n")
         if loop.tracker is not None:
             loop.tracker.log_metrics({f"train.{key}": value for key, value in metrics.items()}, step=state.step)
-    if env.is_main and (state.step % cfg.training.eval_interval == 0 or last):
+    if state.step % cfg.training.eval_interval == 0 or last:
         state.eval_metrics = evaluate(loop)
-        if loop.tracker is not None and state.eval_metrics:
+        if env.is_main and loop.tracker is not None and state.eval_metrics:
             loop.tracker.log_metrics({f"eval.{key}": value for key, value in state.eval_metrics.items()}, step=state.step)
     if state.step % cfg.training.save_interval == 0 or last:
         save(loop)
 
 
 def save(loop: Loop) -> None:
+    """A checkpoint of the full state (every rank takes part: the weights may be sharded)."""
     env, state = loop.env, loop.state
     rngs = env.gather(rng_state())
+    weights = full_draft_weights(loop.module)
+    optimizer_state = full_optimizer_state(loop.module, loop.optimizer)
     if env.is_main:
         root = loop.cfg.output_path / "checkpoints"
         state.scheduler = loop.scheduler.state_dict()
-        directory = save_checkpoint(root, loop.draft, loop.optimizer, state, rngs, config_as_yaml(loop.cfg))
+        directory = save_checkpoint(root, weights, optimizer_state, state, rngs, config_as_yaml(loop.cfg))
         score = state.eval_metrics.get("simulated_accept_len")
         if score is not None and (state.best_simulated_accept_len is None or score > state.best_simulated_accept_len):
             state.best_simulated_accept_len = score
@@ -362,20 +396,35 @@ def save(loop: Loop) -> None:
     env.barrier()
 
 
+def gathered_draft(loop: Loop) -> Eagle3Draft:
+    """The whole draft as it is now, for rank 0 (under FSDP every rank must call this: it gathers)."""
+    if loop.full_draft is not loop.draft:
+        weights = full_draft_weights(loop.module)
+        if loop.env.is_main:
+            loop.full_draft.load_state_dict(weights)
+    return loop.full_draft
+
+
 def evaluate(loop: Loop) -> dict[str, float]:
-    """Eval acceptance metrics of the draft being trained (rank 0)."""
+    """Eval acceptance metrics of the draft being trained (computed by rank 0; every rank calls this)."""
     if loop.eval_set is None:
         return {}
-    return evaluate_features(loop.draft, loop.eval_set, loop.heads.lm_head, loop.cfg.training.ttt_length)
+    draft = gathered_draft(loop)
+    if not loop.env.is_main:
+        return {}
+    return evaluate_features(draft, loop.eval_set, loop.heads.lm_head, loop.cfg.training.ttt_length,
+                             loop.cfg.training.attention_backend, loop.dtype)
 
 
-def evaluate_features(draft: Eagle3Draft, features: FeatureSet, lm_head: torch.Tensor, steps: int) -> dict[str, float]:
+def evaluate_features(draft: Eagle3Draft, features: Any, lm_head: torch.Tensor, steps: int,
+                      attention_backend: str = "sdpa", dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """acc_k, expected acceptance and ploss per depth over every record, weighted by supervised positions,
     and the simulated accept length of a chain of `steps`."""
     correct, counts, accepted, ploss = [0.0] * steps, [0.0] * steps, [0.0] * steps, [0.0] * steps
-    with torch.no_grad():
+    with torch.no_grad(), autocast(lm_head.device, dtype):
         for record in features:
-            output = ttt_forward(draft, collate([record], lm_head, draft.t2d), steps)
+            output = ttt_forward(draft, collate([record], lm_head, draft.t2d), steps,
+                                 attention_backend=attention_backend)
             for step in range(steps):
                 counts[step] += output.supervised[step]
                 correct[step] += output.acc[step] * output.supervised[step]
@@ -394,12 +443,15 @@ def finish(loop: Loop, before: dict[str, float]) -> TrainResult:
     """Export the draft for each engine, plot accuracy by depth, write the summary (rank 0)."""
     cfg, env, state = loop.cfg, loop.env, loop.state
     summary_path = cfg.output_path / "train" / "summary.json"
+    complete = state.step >= loop.total_steps
+    draft = gathered_draft(loop) if complete else loop.full_draft
     if env.is_main:
-        complete = state.step >= loop.total_steps
         if complete:
-            export(cfg, loop.draft, loop.train_set.manifest, state.step, env.world_size, state.eval_metrics)
+            export(cfg, draft, loop.manifest, state.step, env.world_size, state.eval_metrics,
+                   loop.math["training.precision"])
         plot = plot_accuracy(state.eval_metrics, before, cfg.output_path / "train" / "accuracy_by_depth.png")
         summary = {"steps": state.step, "total_steps": loop.total_steps, "complete": complete, "world_size": env.world_size,
+                   "strategy": cfg.deployment.trainer.strategy, "mode": cfg.training.mode,
                    **{f"eval_{key}": value for key, value in state.eval_metrics.items()},
                    **{f"untrained_{key}": value for key, value in before.items() if key == "simulated_accept_len"}}
         if loop.history:

@@ -30,7 +30,7 @@ class ResumeRefused(ValueError):
     """A checkpoint trained under different math than the run that wants to continue it."""
 
 
-def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str) -> dict[str, Any]:
+def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str, compute_dtype: str) -> dict[str, Any]:
     """Settings that change the weights a run produces (intervals and retention do not)."""
     training = cfg.training
     return {
@@ -39,6 +39,7 @@ def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str) -> d
         "training.warmup_ratio": training.warmup_ratio, "training.max_grad_norm": training.max_grad_norm,
         "training.epochs": training.epochs, "training.max_steps": training.max_steps,
         "training.tokens_per_step": training.tokens_per_step, "training.grad_accumulation": training.grad_accumulation,
+        "training.precision": compute_dtype,
         "capture.aux_layer_ids": cfg.capture.aux_layer_ids, "capture.draft_vocab_size": cfg.capture.draft_vocab_size,
         "runtime.seed": cfg.runtime.seed, "deployment.trainer.nproc_per_node": world_size,
         "features.fingerprint": features_fingerprint,
@@ -76,14 +77,15 @@ def checkpoint_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
-def save_checkpoint(root: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+def save_checkpoint(root: Path, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any], state: TrainerState,
                     rank_rng: list[dict[str, Any]], config_yaml: str) -> Path:
-    """Write one checkpoint atomically (rank 0 calls this with every rank's RNG state)."""
+    """Write one checkpoint atomically (rank 0 calls this with the full weights, the full optimizer state
+    keyed by parameter name, and every rank's RNG state)."""
     target = checkpoint_dir(root, state.step)
     with atomic_directory(target) as staging:
-        save_file({name: value.detach().cpu().contiguous() for name, value in draft.state_dict().items()},
+        save_file({name: value.detach().cpu().contiguous() for name, value in weights.items()},
                   str(staging / "draft.safetensors"))
-        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        torch.save(optimizer_state, staging / "optimizer.pt")
         payload = asdict(state)
         (staging / "trainer_state.json").write_text(json.dumps(payload, indent=2) + "\n")
         for rank, rng in enumerate(rank_rng):
@@ -92,14 +94,21 @@ def save_checkpoint(root: Path, draft: torch.nn.Module, optimizer: torch.optim.O
     return target
 
 
-def load_checkpoint(directory: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> TrainerState:
-    """Restore weights, optimizer and this rank's RNG; returns the trainer state (safe loads only)."""
-    draft.load_state_dict(load_file(str(directory / "draft.safetensors")))
-    optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+@dataclass
+class LoadedCheckpoint:
+    state: TrainerState
+    weights: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+
+
+def load_checkpoint(directory: Path, rank: int) -> LoadedCheckpoint:
+    """Read weights, optimizer state and trainer state, and restore this rank's RNG (safe loads only)."""
+    weights = load_file(str(directory / "draft.safetensors"))
+    optimizer_state = torch.load(directory / "optimizer.pt", weights_only=True)
     payload = json.loads((directory / "trainer_state.json").read_text())
     restore_rng(json.loads((directory / f"rng-rank{rank}.json").read_text()))
     payload["cursor"] = Cursor(**payload["cursor"])
-    return TrainerState(**payload)
+    return LoadedCheckpoint(TrainerState(**payload), weights, optimizer_state)
 
 
 def check_resumable(saved: dict[str, Any], wanted: dict[str, Any], directory: Path) -> None:

@@ -1,4 +1,5 @@
-"""Which records each training step sees: seeded per-epoch order, packed into a token budget, split by rank.
+"""Which records each training step sees: seeded per-epoch order, packed into a token budget, grouped into
+optimizer steps of `grad_accumulation` micro-batches, split by rank.
 
 The plan does not depend on the world size, so N ranks run exactly the steps of one; a rank takes the
 records at positions rank, rank + world, ... of each global batch (a rank left without one computes a
@@ -42,3 +43,8 @@ def epoch_batches(lengths: list[int], tokens_per_step: int, seed: int, epoch: in
 
 def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
     return batch[rank::world_size]
+
+
+def optimizer_steps(batches: list[list[int]], accumulation: int) -> list[list[list[int]]]:
+    """Consecutive micro-batches grouped into optimizer steps (the last step of an epoch may hold fewer)."""
+    return [batches[start:start + accumulation] for start in range(0, len(batches), accumulation)]

@@ -17,7 +17,7 @@ ENGINES = ("sglang", "vllm")
 
 
 def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: int, world_size: int,
-           eval_metrics: dict[str, float]) -> None:
+           eval_metrics: dict[str, float], compute_dtype: str) -> None:
     """draft/sglang and draft/vllm: the engine-ready checkpoint with its contract (DESIGN §3, §5)."""
     from contract.checkpoint import CheckpointContract
     from models.draft_checkpoint import save_pretrained
@@ -33,8 +33,9 @@ def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: 
         vocab_size=info["vocab_size"], draft_vocab_size=config.draft_vocab_size,
         vocab_mapping_hash=manifest.get("vocab_mapping_sha256"), bos_token_id=info["bos_token_id"],
         eos_token_id=info["eos_token_id"], pad_token_id=info["pad_token_id"],
-        training={"strategy": "offline", "ttt_length": cfg.training.ttt_length, "dtype": "float32",
-                  "steps": steps, "world_size": world_size},
+        training={"strategy": cfg.training.mode, "ttt_length": cfg.training.ttt_length, "dtype": compute_dtype,
+                  "master_weights": "float32", "steps": steps, "world_size": world_size,
+                  "parallelism": cfg.deployment.trainer.strategy, "grad_accumulation": cfg.training.grad_accumulation},
         versions={"torch": torch.__version__}, evaluation=eval_metrics,
         data={"features_fingerprint": manifest.get("fingerprint"), "regeneration": cfg.regeneration.model_dump(mode="json")},
     )

@@ -1,0 +1,588 @@
+"""benchmark stage: serve the target with and without the drafter on a real engine and measure what changes.
+
+For each engine in `benchmark.engines` (vLLM's CPU build here, SGLang on GPU hosts: the same code, with the
+engine's own command and metrics), the target `<output_dir>/target` is served twice from the engine's own
+environment (tasks/engine.py): first alone ("baseline"), then with the EAGLE3 export `draft/<engine>`
+("eagle3", `evaluation.steps` speculative tokens, chain). Both serve the same requests: the first user turn
+(with any system turns before it) of each held-out record in `data/eval.jsonl`, `benchmark.num_requests` of
+them (cycling when there are fewer), through the chat endpoint so the engine applies the chat template.
+Every concurrency level of `benchmark.concurrency` sends them all with that many in flight, streaming
+(tasks/serving_client.py: TTFT, TPOT, ITL, latency, output tok/s, request/s).
+
+What the stage checks (a failure is written to the report first, then raised as BenchmarkFailed):
+  - every request completed;
+  - the drafter drafted: the engine's speculative counters moved;
+  - greedy outputs (temperature 0) are identical with and without the drafter, request for request;
+  - the engine's mean acceptance length is within `registry.engine_tolerance` (relative) of the offline
+    evaluation `evaluate/acceptance.json` ({"chain": {"steps", "mean_accept_length"}}) when that exists.
+    Far off means the engine is not drafting from what the drafter was trained on: aux layer ids
+    (DESIGN §3), chat template or vocab mapping.
+
+Acceptance: vLLM counts drafts, draft tokens and accepted tokens (also per draft position); counters are
+read before and after each level, so each level has its own numbers: mean acceptance length =
+accepted / drafts + 1, acceptance rate at position i = accepted_i / drafts. SGLang only exposes gauges
+(`sglang:spec_accept_length`, `sglang:spec_accept_rate`: its recent average), read after each level.
+
+Writes
+  benchmark/report.json      settings, per engine and variant: startup time, peak RSS of the engine's
+                             process tree, per level throughput and latency percentiles, acceptance;
+                             speedup per level, greedy comparison, acceptance check, failures
+  benchmark/requests.jsonl   one row per request (engine, variant, level, timings, text)
+  benchmark/serving.png      output tok/s and TPOT P50 per concurrency, with and without the drafter
+  benchmark/logs/<engine>-<variant>.log   engine logs
+
+    .venv/bin/eaglet stage benchmark --config params.yaml benchmark.engines='[vllm]'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from contract.config import RunConfig
+from contract.records import PromptRecord
+from tasks.artifacts import read_json, write_json, write_jsonl
+from tasks.engine import EngineKind, EngineLaunch, RunningEngine, metric_total, serve
+from tasks.serving_client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
+
+VARIANTS = ("baseline", "eagle3")
+#: One short request before measuring, so no level pays the engine's first-request costs.
+WARMUP_MAX_TOKENS = 8
+MEMORY_SAMPLE_INTERVAL_S = 0.5
+OFFLINE_ACCEPTANCE = Path("evaluate") / "acceptance.json"
+SNIPPET_CHARS = 80
+
+VLLM_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+}
+VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+SGLANG_GAUGES = {"accept_length": "sglang:spec_accept_length", "accept_rate": "sglang:spec_accept_rate"}
+
+
+class BenchmarkFailed(RuntimeError):
+    """A check failed; the report was written and `result` holds it."""
+
+    def __init__(self, message: str, result: "BenchmarkResult") -> None:
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class BenchmarkResult:
+    report_path: Path
+    requests_path: Path
+    plot_path: Optional[Path]
+    report: dict[str, Any]
+
+    def summary(self) -> dict[str, float]:
+        """Flat numbers for MLflow: per engine, per level and variant, and the acceptance."""
+        return flat_metrics(self.report)
+
+    def reports(self) -> list[Path]:
+        return [path for path in (self.report_path, self.plot_path) if path is not None]
+
+
+@dataclass
+class VariantRun:
+    """One engine process (baseline or eagle3) and what it measured."""
+
+    variant: str
+    report: dict[str, Any]
+    results: dict[int, list[RequestResult]] = field(default_factory=dict)  # by concurrency
+
+
+def run(cfg: RunConfig) -> BenchmarkResult:
+    """Benchmark every engine of `benchmark.engines`; write benchmark/report.json; raise on a failed check."""
+    settings = cfg.benchmark
+    if not settings.engines:
+        raise ValueError("benchmark.engines is empty: name the engines to benchmark, e.g. benchmark.engines=[vllm]")
+    out = cfg.output_path
+    check_inputs(out, settings.engines)
+    records = read_eval_records(out / "data" / "eval.jsonl")
+    requests = build_requests(records, settings.num_requests)
+    steps = cfg.evaluation.steps  # the offline evaluation's chain length: both measure the same drafting
+    sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens)
+
+    engines: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
+    for kind in settings.engines:
+        baseline = measure_variant(cfg, kind, "baseline", requests, sampling, None, steps)
+        eagle3 = measure_variant(cfg, kind, "eagle3", requests, sampling, out / "draft" / kind, steps)
+        engines[kind] = engine_report(cfg, kind, baseline, eagle3, steps)
+        rows += request_rows(kind, baseline) + request_rows(kind, eagle3)
+
+    report = {
+        "settings": {
+            "concurrency": list(settings.concurrency), "num_requests": settings.num_requests,
+            "max_tokens": settings.max_tokens, "temperature": settings.temperature,
+            "num_speculative_tokens": steps, "eval_records": len(records),
+            "distinct_prompts": len({request.prompt_id for request in requests}),
+        },
+        "engines": engines,
+    }
+    report["failures"] = [failure for kind in engines for failure in engines[kind]["failures"]]
+    report["passed"] = not report["failures"]
+    result = write_outputs(out / "benchmark", report, rows)
+    if report["failures"]:
+        message = "\n".join(report["failures"])
+        raise BenchmarkFailed(f"{message}\nreport: {result.report_path}", result)
+    return result
+
+
+# --- inputs ---------------------------------------------------------------------------------------------
+
+
+def check_inputs(out: Path, engines: list[str]) -> None:
+    """Refuse before starting any engine (a start costs tens of seconds) when an input is missing."""
+    needed = [(out / "target", "run the target stage"), (out / "data" / "eval.jsonl", "run the validate stage")]
+    needed += [(out / "draft" / kind, "run the train stage (it exports draft/sglang and draft/vllm)") for kind in engines]
+    for path, hint in needed:
+        if not path.exists():
+            raise FileNotFoundError(f"benchmark needs {path}: {hint}")
+
+
+def read_eval_records(path: Path) -> list[PromptRecord]:
+    with open(path, encoding="utf-8") as handle:
+        return [PromptRecord.model_validate_json(line) for line in handle if line.strip()]
+
+
+def first_user_turn(record: PromptRecord) -> Optional[list[dict[str, str]]]:
+    """The messages up to and including the first user turn (system turns before it kept); None when the
+    record is pre-templated text or has no user turn."""
+    messages: list[dict[str, str]] = []
+    for message in record.messages:
+        if message.role == "assistant":
+            return None
+        messages.append({"role": message.role, "content": message.content or ""})
+        if message.role == "user":
+            return messages
+    return None
+
+
+def build_requests(records: list[PromptRecord], count: int) -> list[ChatRequest]:
+    """`count` requests from the records' first user turns, cycling through them when there are fewer."""
+    prompts = [(record.id, first_user_turn(record)) for record in records]
+    usable = [(prompt_id, messages) for prompt_id, messages in prompts if messages is not None]
+    if not usable:
+        raise ValueError(f"none of the {len(records)} eval records starts with a user turn to send to a chat endpoint")
+    requests = []
+    for index in range(count):
+        prompt_id, messages = usable[index % len(usable)]
+        requests.append(ChatRequest(index=index, prompt_id=prompt_id, messages=messages))
+    return requests
+
+
+# --- serving and measuring ------------------------------------------------------------------------------
+
+
+def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optional[Path], steps: int) -> EngineLaunch:
+    """The engine from runtime.engines, on the run's target, logging to benchmark/logs/<engine>-<variant>.log."""
+    log_path = cfg.output_path / "benchmark" / "logs" / f"{kind}-{variant}.log"
+    log_path.unlink(missing_ok=True)  # start_engine appends; this run's log holds only this run
+    launch = EngineLaunch.from_config(kind, cfg.runtime.engines[kind], model=cfg.output_path / "target",
+                                      log_path=log_path, draft=draft, num_speculative_tokens=steps)
+    launch.startup_timeout_s = cfg.benchmark.startup_timeout_s
+    return launch
+
+
+def measure_variant(cfg: RunConfig, kind: EngineKind, variant: str, requests: list[ChatRequest],
+                    sampling: Sampling, draft: Optional[Path], steps: int) -> VariantRun:
+    """Start the engine, warm it up, run every concurrency level, stop it."""
+    launch = engine_launch(cfg, kind, variant, draft, steps)
+    started = time.monotonic()
+    with serve(launch) as engine:
+        startup_s = time.monotonic() - started
+        run = VariantRun(variant=variant, report={
+            "command": engine.command, "log": str(launch.log_path), "startup_s": startup_s, "levels": [],
+        })
+        warm_up(engine, requests[0])
+        with PeakMemory(engine.pid) as memory:
+            for concurrency in cfg.benchmark.concurrency:
+                level, results = measure_level(engine, kind, requests, sampling, concurrency, draft is not None)
+                run.report["levels"].append(level)
+                run.results[concurrency] = results
+        run.report["peak_rss_mib"] = memory.peak_bytes / 2**20
+    if draft is not None:
+        run.report["speculative"] = overall_acceptance(kind, run.report["levels"])
+    return run
+
+
+def warm_up(engine: RunningEngine, request: ChatRequest) -> None:
+    sampling = Sampling(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS)
+    results, _ = asyncio.run(run_level(engine.base_url, engine.launch.served_model_name, [request], sampling, 1))
+    if not results[0].ok:
+        raise RuntimeError(f"{engine.launch.kind} warm-up request failed: {results[0].error}\nlog: {engine.log_path}")
+
+
+def measure_level(engine: RunningEngine, kind: EngineKind, requests: list[ChatRequest], sampling: Sampling,
+                  concurrency: int, speculative: bool) -> tuple[dict[str, Any], list[RequestResult]]:
+    """One concurrency level: the client's statistics, and the engine's acceptance over exactly this level."""
+    before = engine.read_metrics()
+    results, wall_s = asyncio.run(
+        run_level(engine.base_url, engine.launch.served_model_name, requests, sampling, concurrency)
+    )
+    after = engine.read_metrics()
+    level = {"concurrency": concurrency, **summarize_level(results, wall_s)}
+    if speculative:
+        window = speculative_window(kind, before, after)
+        level["speculative"] = {"window": window, **acceptance(kind, window)}
+    return level, results
+
+
+class PeakMemory:
+    """Samples the resident memory of a process and all its descendants in a background thread.
+
+    RSS is summed over the tree, so pages shared between processes (libraries) count once per process:
+    an upper bound, the same way for both variants.
+    """
+
+    def __init__(self, pid: int, interval_s: float = MEMORY_SAMPLE_INTERVAL_S) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="engine-memory", daemon=True)
+
+    def __enter__(self) -> "PeakMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            self.peak_bytes = max(self.peak_bytes, tree_rss_bytes(self.pid))
+            if self._stop.wait(self.interval_s):
+                return
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """RSS of `pid` and its descendants; processes that exit while being read count as 0."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return 0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.Error:
+            continue
+    return total
+
+
+# --- speculative decoding counters ----------------------------------------------------------------------
+
+
+def label_value(key: str, label: str) -> Optional[str]:
+    """The value of one label in a 'name{a="1",b="2"}' series key."""
+    match = re.search(r'[{,]' + re.escape(label) + r'="([^"]*)"', key)
+    return match.group(1) if match else None
+
+
+def accepted_per_position(metrics: dict[str, float]) -> dict[int, float]:
+    """vLLM's accepted tokens per draft position, summed over every other label."""
+    positions: dict[int, float] = {}
+    for key, value in metrics.items():
+        if not key.startswith(VLLM_PER_POSITION + "{"):
+            continue
+        position = label_value(key, "position")
+        if position is not None:
+            positions[int(position)] = positions.get(int(position), 0.0) + value
+    return positions
+
+
+def gauge_mean(metrics: dict[str, float], name: str) -> Optional[float]:
+    """Mean over the series of a gauge (SGLang exposes one per tp/dp rank); None when absent."""
+    values = [value for key, value in metrics.items() if key == name or key.startswith(name + "{")]
+    return sum(values) / len(values) if values else None
+
+
+def speculative_window(kind: str, before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The engine's speculative numbers over the interval between two /metrics reads."""
+    if kind == "sglang":
+        return {name: gauge_mean(after, metric) for name, metric in SGLANG_GAUGES.items()}
+    window: dict[str, Any] = {name: metric_total(after, metric) - metric_total(before, metric)
+                              for name, metric in VLLM_COUNTERS.items()}
+    first, last = accepted_per_position(before), accepted_per_position(after)
+    window["accepted_per_position"] = [last[i] - first.get(i, 0.0) for i in sorted(last)]
+    return window
+
+
+def acceptance(kind: str, window: dict[str, Any]) -> dict[str, Any]:
+    """Mean acceptance length (tokens per verification, the bonus token included) and acceptance rates."""
+    if kind == "sglang":
+        return {"mean_accept_length": window.get("accept_length"), "draft_acceptance_rate": window.get("accept_rate"),
+                "acceptance_rate_per_position": []}
+    drafts = window["drafts"]
+    if drafts <= 0:
+        return {"mean_accept_length": None, "draft_acceptance_rate": None, "acceptance_rate_per_position": []}
+    rate = window["accepted"] / window["draft_tokens"] if window["draft_tokens"] > 0 else None
+    return {
+        "mean_accept_length": window["accepted"] / drafts + 1.0,
+        "draft_acceptance_rate": rate,
+        "acceptance_rate_per_position": [accepted / drafts for accepted in window["accepted_per_position"]],
+    }
+
+
+def overall_acceptance(kind: str, levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """Acceptance over all levels: vLLM's counters summed; SGLang's gauges averaged."""
+    windows = [level["speculative"]["window"] for level in levels]
+    if kind == "sglang":
+        combined: dict[str, Any] = {}
+        for name in SGLANG_GAUGES:
+            values = [window[name] for window in windows if window.get(name) is not None]
+            combined[name] = sum(values) / len(values) if values else None
+    else:
+        combined = {name: sum(window[name] for window in windows) for name in VLLM_COUNTERS}
+        depth = max((len(window["accepted_per_position"]) for window in windows), default=0)
+        combined["accepted_per_position"] = [
+            sum(window["accepted_per_position"][i] for window in windows if i < len(window["accepted_per_position"]))
+            for i in range(depth)
+        ]
+    return {"window": combined, **acceptance(kind, combined)}
+
+
+# --- checks ---------------------------------------------------------------------------------------------
+
+
+def engine_report(cfg: RunConfig, kind: str, baseline: VariantRun, eagle3: VariantRun, steps: int) -> dict[str, Any]:
+    """Both variants of one engine side by side, with the speedups and every check."""
+    failures = failed_requests(kind, baseline) + failed_requests(kind, eagle3)
+    drafted = drafting_check(kind, eagle3.report["speculative"])
+    greedy = compare_greedy(baseline, eagle3) if cfg.benchmark.temperature == 0 else {
+        "status": "skipped", "reason": "temperature > 0: outputs are sampled"}
+    contract = check_acceptance(cfg, kind, eagle3.report["speculative"]["mean_accept_length"], steps)
+    if drafted:
+        failures.append(drafted)
+    if greedy.get("mismatches"):
+        failures.append(mismatch_message(kind, greedy["mismatches"]))
+    if contract["status"] == "failed":
+        failures.append(contract["reason"])
+    return {
+        "baseline": baseline.report,
+        "eagle3": eagle3.report,
+        "speedup": speedups(baseline.report["levels"], eagle3.report["levels"]),
+        "greedy": greedy,
+        "acceptance_check": contract,
+        "failures": failures,
+    }
+
+
+def speedups(baseline: list[dict[str, Any]], eagle3: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output tok/s with the drafter over without it, per concurrency level."""
+    rows = []
+    for plain, drafted in zip(baseline, eagle3):
+        base = plain["output_tokens_per_s"]
+        rows.append({"concurrency": plain["concurrency"],
+                     "output_tokens_per_s": drafted["output_tokens_per_s"] / base if base > 0 else None})
+    return rows
+
+
+def failed_requests(kind: str, run: VariantRun) -> list[str]:
+    failures = []
+    for concurrency, results in run.results.items():
+        failed = [result for result in results if not result.ok]
+        if failed:
+            failures.append(f"{kind} {run.variant}: {len(failed)} of {len(results)} requests failed at concurrency "
+                            f"{concurrency}, first: {failed[0].prompt_id}: {failed[0].error}")
+    return failures
+
+
+def drafting_check(kind: str, speculative: dict[str, Any]) -> Optional[str]:
+    """A message when the engine reports no drafting at all (the drafter was not used)."""
+    if kind == "vllm" and speculative["window"]["drafts"] <= 0:
+        return ("vllm eagle3: the engine made no drafts (vllm:spec_decode_num_drafts_total did not move); "
+                "the drafter was not used: see the engine log")
+    if kind == "sglang" and not speculative["mean_accept_length"]:
+        return "sglang eagle3: sglang:spec_accept_length is absent or 0; the drafter was not used: see the engine log"
+    return None
+
+
+def first_difference(left: str, right: str) -> int:
+    for position, (a, b) in enumerate(zip(left, right)):
+        if a != b:
+            return position
+    return min(len(left), len(right))
+
+
+def compare_greedy(baseline: VariantRun, eagle3: VariantRun) -> dict[str, Any]:
+    """Request for request at every level: the text with the drafter must equal the text without it."""
+    mismatches = []
+    compared = 0
+    for concurrency, plain_results in baseline.results.items():
+        for plain, drafted in zip(plain_results, eagle3.results[concurrency]):
+            if not (plain.ok and drafted.ok):
+                continue
+            compared += 1
+            if plain.text == drafted.text:
+                continue
+            at = first_difference(plain.text, drafted.text)
+            mismatches.append({
+                "prompt_id": plain.prompt_id, "request": plain.index, "concurrency": concurrency,
+                "first_difference": at, "baseline": plain.text[max(0, at - 20):at + SNIPPET_CHARS],
+                "eagle3": drafted.text[max(0, at - 20):at + SNIPPET_CHARS],
+            })
+    return {"status": "failed" if mismatches else "ok", "compared": compared, "mismatches": mismatches}
+
+
+def mismatch_message(kind: str, mismatches: list[dict[str, Any]]) -> str:
+    ids = sorted({mismatch["prompt_id"] for mismatch in mismatches})
+    return (f"{kind}: greedy output with the drafter differs from the output without it for {len(mismatches)} "
+            f"request(s), prompts {', '.join(ids)} (first differing character per request in the report); "
+            f"speculative decoding at temperature 0 must not change the output")
+
+
+def check_acceptance(cfg: RunConfig, kind: str, engine_length: Optional[float], steps: int) -> dict[str, Any]:
+    """Engine mean acceptance length against the offline evaluation of the same drafter (when there is one)."""
+    path = cfg.output_path / OFFLINE_ACCEPTANCE
+    if not path.is_file():
+        return {"status": "skipped", "reason": f"no offline evaluation at {path}"}
+    if cfg.benchmark.temperature != cfg.evaluation.temperature:
+        return {"status": "skipped", "reason": f"benchmark temperature {cfg.benchmark.temperature} differs from "
+                f"the offline evaluation's {cfg.evaluation.temperature}"}
+    chain = read_json(path)["chain"]
+    tolerance = cfg.registry.engine_tolerance
+    check: dict[str, Any] = {"offline_mean_accept_length": chain["mean_accept_length"], "offline_steps": chain["steps"],
+                             "engine_mean_accept_length": engine_length, "engine_steps": steps, "tolerance": tolerance}
+    return {**check, **acceptance_verdict(cfg.output_path, kind, check)}
+
+
+def acceptance_verdict(out: Path, kind: str, check: dict[str, Any]) -> dict[str, Any]:
+    """ok, or failed with a reason that says where to look."""
+    offline, engine = check["offline_mean_accept_length"], check["engine_mean_accept_length"]
+    if check["offline_steps"] != check["engine_steps"]:
+        return {"status": "failed", "reason": (
+            f"{kind}: the offline evaluation ({out / OFFLINE_ACCEPTANCE}) used {check['offline_steps']} draft steps, "
+            f"the engine {check['engine_steps']}: rerun the evaluate stage with the same evaluation.steps")}
+    if engine is None:
+        return {"status": "failed", "reason": f"{kind}: the engine reported no acceptance to compare"}
+    gap = abs(engine - offline) / offline
+    if gap <= check["tolerance"]:
+        return {"status": "ok", "relative_gap": gap}
+    return {"status": "failed", "relative_gap": gap, "reason": layer_hint(out, kind, engine, offline, gap, check["tolerance"])}
+
+
+def layer_hint(out: Path, kind: str, engine: float, offline: float, gap: float, tolerance: float) -> str:
+    """The acceptance mismatch message, with the export's layer ids next to the trained ones."""
+    draft = out / "draft" / kind
+    eagle_config = read_json(draft / "config.json").get("eagle_config", {}) if (draft / "config.json").is_file() else {}
+    engine_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids", "absent (engine default)")
+    trained_ids = eagle_config.get("eaglet_aux_layer_ids", "unknown")
+    return (
+        f"{kind}: mean acceptance length {engine:.3f} in the engine vs {offline:.3f} offline "
+        f"(gap {gap:.0%} > {tolerance:.0%}): the engine is not drafting from what the drafter was trained on. "
+        f"Check (1) the aux layer-id convention (DESIGN §3): {draft}/config.json has "
+        f"eagle_config.eagle_aux_hidden_state_layer_ids = {engine_ids} for trained layers {trained_ids} "
+        f"(vLLM captures the output of layer id - 1, SGLang of layer id); (2) the chat template the engine "
+        f"applies is the target's ({out}/target/chat_template.jinja); (3) the vocab mapping (d2t/t2d) in "
+        f"{draft}/model.safetensors is the one trained with ({out}/vocab/vocab_mapping.safetensors)"
+    )
+
+
+# --- outputs --------------------------------------------------------------------------------------------
+
+
+def request_rows(kind: str, run: VariantRun) -> list[dict[str, Any]]:
+    rows = []
+    for concurrency, results in run.results.items():
+        for result in results:
+            rows.append({
+                "engine": kind, "variant": run.variant, "concurrency": concurrency, "request": result.index,
+                "prompt_id": result.prompt_id, "output_tokens": result.output_tokens,
+                "content_chunks": result.content_chunks, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
+                "latency_s": result.latency_s, "finish_reason": result.finish_reason, "error": result.error,
+                "text": result.text,
+            })
+    return rows
+
+
+def write_outputs(directory: Path, report: dict[str, Any], rows: list[dict[str, Any]]) -> BenchmarkResult:
+    report_path = directory / "report.json"
+    requests_path = directory / "requests.jsonl"
+    write_jsonl(requests_path, rows)
+    plot_path = plot_serving(report, directory / "serving.png")
+    write_json(report_path, report)
+    return BenchmarkResult(report_path=report_path, requests_path=requests_path, plot_path=plot_path, report=report)
+
+
+def plot_serving(report: dict[str, Any], path: Path) -> Optional[Path]:
+    """Output tok/s and TPOT P50 against concurrency, with and without the drafter, per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (throughput, tpot) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, engine in report["engines"].items():
+        for variant in VARIANTS:
+            levels = engine[variant]["levels"]
+            concurrency = [level["concurrency"] for level in levels]
+            style = "-o" if variant == "eagle3" else "--s"
+            label = f"{kind} {'with' if variant == 'eagle3' else 'without'} drafter"
+            throughput.plot(concurrency, [level["output_tokens_per_s"] for level in levels], style, label=label)
+            tpot.plot(concurrency, [level["tpot_ms"]["p50"] for level in levels], style, label=label)
+    throughput.set(xlabel="concurrency", ylabel="output tokens/s", title="throughput")
+    tpot.set(xlabel="concurrency", ylabel="TPOT P50 (ms)", title="time per output token")
+    for axis in (throughput, tpot):
+        axis.legend()
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+LEVEL_METRICS = {
+    "output_tokens_per_s": ("output_tokens_per_s",),
+    "requests_per_s": ("requests_per_s",),
+    "ttft_p50_ms": ("ttft_ms", "p50"),
+    "ttft_p99_ms": ("ttft_ms", "p99"),
+    "tpot_p50_ms": ("tpot_ms", "p50"),
+    "tpot_p99_ms": ("tpot_ms", "p99"),
+    "itl_p50_ms": ("itl_ms", "p50"),
+    "latency_p50_ms": ("latency_ms", "p50"),
+}
+
+
+def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """`<engine>_c<concurrency>_<variant>_<metric>`, speedups, acceptance and memory; numbers only."""
+    metrics: dict[str, Any] = {"passed": float(report["passed"]), "failures": len(report["failures"])}
+    for kind, engine in report["engines"].items():
+        for variant in VARIANTS:
+            metrics[f"{kind}_{variant}_peak_rss_mib"] = engine[variant]["peak_rss_mib"]
+            metrics[f"{kind}_{variant}_startup_s"] = engine[variant]["startup_s"]
+            for level in engine[variant]["levels"]:
+                prefix = f"{kind}_c{level['concurrency']}_{variant}"
+                for name, path in LEVEL_METRICS.items():
+                    metrics[f"{prefix}_{name}"] = dig(level, path)
+                if "speculative" in level:
+                    metrics[f"{kind}_c{level['concurrency']}_mean_accept_length"] = level["speculative"]["mean_accept_length"]
+        for row in engine["speedup"]:
+            metrics[f"{kind}_c{row['concurrency']}_speedup"] = row["output_tokens_per_s"]
+        speculative = engine["eagle3"]["speculative"]
+        metrics[f"{kind}_mean_accept_length"] = speculative["mean_accept_length"]
+        metrics[f"{kind}_draft_acceptance_rate"] = speculative["draft_acceptance_rate"]
+        for position, rate in enumerate(speculative["acceptance_rate_per_position"]):
+            metrics[f"{kind}_acceptance_rate_pos{position}"] = rate
+        metrics[f"{kind}_greedy_mismatches"] = len(engine["greedy"].get("mismatches", []))
+    return {name: float(value) for name, value in metrics.items() if value is not None}
+
+
+def dig(data: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        data = data[key]
+    return data

@@ -1,0 +1,32 @@
+"""Where a stage runs its torch work (`runtime.device`) and in which precision the trainer computes."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, ContextManager
+
+import torch
+
+
+def resolve_device(setting: str) -> torch.device:
+    """`auto` takes the GPU when one is visible; `cuda` without one is a configuration error."""
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ValueError("runtime.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on GPU; fp32 on CPU (bf16 matmuls are ~15x slower on these AVX2 CPUs, DESIGN §8)."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> ContextManager[Any]:
+    """bf16 autocast around forward passes; the parameters and AdamW state stay fp32 (master weights), and
+    the loss is computed in fp32 (models/ttt.step_loss). No grad scaler: bf16 has fp32's exponent range."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

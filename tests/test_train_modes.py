@@ -1,0 +1,172 @@
+"""Training modes beyond the default: online features, gradient accumulation, FSDP2, bf16 autocast, attention
+backends. All on the tiny target's captured run (tests/training_run.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.ttt import attend, check_attention_backend
+from tasks import train
+from tasks.feature_batches import collate
+from tasks.features import FeatureSet
+from tasks.train_checkpoint import ResumeRefused, find_checkpoint
+from training_run import captured_run, copy_run
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path):
+    return captured_run(tmp_path_factory.mktemp("modes") / "base", tiny_target_dir, max_steps=8)
+
+
+def fresh(base_run, tmp_path: Path, name: str, ranks: int = 1, strategy: str = "ddp", **training):
+    directory = tmp_path / name
+    copy_run(base_run.output_path, directory)
+    trainer = base_run.deployment.trainer.model_copy(update={"nproc_per_node": ranks, "strategy": strategy})
+    return base_run.model_copy(update={
+        "output_dir": str(directory), "training": base_run.training.model_copy(update=training),
+        "deployment": base_run.deployment.model_copy(update={"trainer": trainer}),
+    })
+
+
+def resumed(cfg):
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"halt_after": None, "resume_from": "latest"})})
+
+
+def losses(cfg) -> dict[int, float]:
+    rows = [json.loads(line) for line in (cfg.output_path / "train" / "steps.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def close(first: dict[int, float], second: dict[int, float], tolerance: float = 1e-5) -> bool:
+    return first.keys() == second.keys() and all(abs(first[step] - second[step]) < tolerance for step in first)
+
+
+def exported(cfg) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(cfg.output_path / "draft" / "sglang" / "model.safetensors"))
+
+
+def test_online_training_matches_offline_without_shards(base_run, tmp_path: Path) -> None:
+    offline = fresh(base_run, tmp_path, "offline")
+    offline_result = train.run(offline)
+    online = fresh(base_run, tmp_path, "online", mode="online")
+    shutil.rmtree(online.output_path / "features")  # online needs no captured shards
+    online_result = train.run(online)
+    assert not (online.output_path / "features").exists()
+    assert close(losses(offline), losses(online)), (losses(offline), losses(online))
+    for key in ("eval_acc_0", "eval_simulated_accept_len"):
+        assert abs(offline_result.values[key] - online_result.values[key]) < 1e-5
+    saved = json.loads((find_checkpoint(online.output_path / "checkpoints", "latest") / "trainer_state.json").read_text())
+    assert saved["math"]["training.mode"] == "online"
+    contract = json.loads((online.output_path / "draft" / "vllm" / "contract.json").read_text())
+    assert contract["training"]["strategy"] == "online" and contract["training"]["dtype"] == "float32"
+
+
+def test_accumulated_micro_batches_give_the_gradient_of_their_union(base_run) -> None:
+    features = FeatureSet(base_run.output_path / "features", "train")
+    heads = train.load_target_heads(base_run.output_path / "target")
+    draft = train.build_draft(base_run, heads, features.manifest, torch.device("cpu"))
+    step = train.TTTStep(draft, base_run.training.ttt_length)
+    records = features.records([0, 1, 2])
+    normaliser = sum(len(record["input_ids"]) for record in records)
+
+    def gradients(batches: list[list[dict]]) -> dict[str, torch.Tensor]:
+        draft.zero_grad(set_to_none=True)
+        for batch in batches:
+            loss, _ = step(collate(batch, heads.lm_head, draft.t2d), normaliser)
+            loss.backward()
+        return {name: parameter.grad.clone() for name, parameter in draft.named_parameters() if parameter.grad is not None}
+
+    union = gradients([records])
+    accumulated = gradients([records[:2], records[2:]])
+    assert union.keys() == accumulated.keys() and union
+    for name in union:
+        torch.testing.assert_close(accumulated[name], union[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_accumulation_counts_optimizer_steps_and_resumes_exactly(base_run, tmp_path: Path) -> None:
+    plain = fresh(base_run, tmp_path, "plain", max_steps=None, epochs=1)
+    train.run(plain)
+    straight = fresh(base_run, tmp_path, "accumulated", max_steps=None, epochs=1, grad_accumulation=2)
+    result = train.run(straight)
+    micro_batches = len(losses(plain))
+    assert result.values["steps"] == (micro_batches + 1) // 2 and result.values["complete"]
+    halted = fresh(base_run, tmp_path, "halted", max_steps=None, epochs=1, grad_accumulation=2, halt_after=2)
+    train.run(halted)
+    train.run(resumed(halted))
+    assert losses(halted) == losses(straight)
+    assert all(torch.equal(exported(straight)[name], exported(halted)[name]) for name in exported(straight))
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(base_run, tmp_path: Path) -> None:
+    cfg = fresh(base_run, tmp_path, "bf16", precision="bf16", max_steps=3)
+    result = train.run(cfg)
+    assert result.values["complete"] and all(torch.isfinite(torch.tensor(list(losses(cfg).values()))))
+    checkpoint = find_checkpoint(cfg.output_path / "checkpoints", "latest")
+    from safetensors.torch import load_file
+
+    assert {value.dtype for name, value in load_file(str(checkpoint / "draft.safetensors")).items()
+            if value.is_floating_point()} == {torch.float32}
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert saved["math"]["training.precision"] == "bfloat16"
+    fp32 = fresh(base_run, tmp_path, "fp32-resume", resume_from=str(checkpoint))
+    with pytest.raises(ResumeRefused, match="training.precision: checkpoint 'bfloat16', run 'float32'"):
+        train.run(fp32)
+
+
+def test_flash_attention_backend_is_refused_where_it_cannot_run(base_run, tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU: the flash_attn equivalence test below covers it")
+    with pytest.raises(ValueError, match="'flash_attn' needs a CUDA GPU; use 'sdpa' on CPU"):
+        train.run(fresh(base_run, tmp_path, "flash", attention_backend="flash_attn"))
+    assert not (tmp_path / "flash" / "checkpoints").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn runs on CUDA GPUs only")
+def test_flash_attention_matches_sdpa_on_gpu() -> None:
+    check_attention_backend("flash_attn")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape = (2, 4, 33, 64)
+    queries = torch.randn(*shape, device="cuda", generator=generator, requires_grad=True)
+    keys = torch.randn(2, 2, 33, 64, device="cuda", generator=generator)
+    values = torch.randn(2, 2, 33, 64, device="cuda", generator=generator)
+    diagonal = [torch.randn(2, 2, 33, 64, device="cuda", generator=generator) for _ in range(2)]
+    reference = attend(queries, keys, values, diagonal, diagonal, "sdpa")
+    flash = attend(queries, keys, values, diagonal, diagonal, "flash_attn")
+    torch.testing.assert_close(flash, reference, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_match_one_rank_and_resume_exactly(base_run, tmp_path: Path) -> None:
+    one = fresh(base_run, tmp_path, "one", grad_accumulation=2)
+    train.run(one)
+    sharded = fresh(base_run, tmp_path, "fsdp", ranks=2, strategy="fsdp", grad_accumulation=2)
+    result = train.run(sharded)
+    assert result.values["world_size"] == 2 and result.values["strategy"] == "fsdp" and result.values["complete"]
+    assert close(losses(one), losses(sharded)), (losses(one), losses(sharded))
+    for name, value in exported(one).items():
+        torch.testing.assert_close(exported(sharded)[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+    halted = fresh(base_run, tmp_path, "fsdp-halted", ranks=2, strategy="fsdp", grad_accumulation=2, halt_after=3)
+    train.run(halted)
+    train.run(resumed(halted))
+    assert losses(halted) == losses(sharded)
+    assert all(torch.equal(exported(sharded)[name], exported(halted)[name]) for name in exported(sharded))
+
+
+def test_capture_stage_writes_no_shards_for_online_training(base_run, tmp_path: Path) -> None:
+    from tasks import capture
+
+    cfg = fresh(base_run, tmp_path, "online-capture", mode="online")
+    result = capture.run(cfg)
+    assert result.manifest["online"] is True
+    assert not list((cfg.output_path / "features").glob("*/shard-*.safetensors"))
+    assert result.manifest["splits"]["train"]["records"] == len(FeatureSet(base_run.output_path / "features", "train"))
+    assert (cfg.output_path / "vocab" / "vocab_mapping.safetensors").is_file()
+    assert result.report.ok + result.report.error + result.report.skipped == result.report.input
