@@ -185,7 +185,8 @@ class EvaluationConfig(Section):
     topk: int = Field(default=1, ge=1)
     num_draft_tokens: int = Field(default=4, ge=1)
     max_new_tokens: int = Field(default=128, ge=1)
-    max_prompts: Optional[int] = Field(default=None, ge=1)
+    max_prompts: Optional[int] = Field(default=None, ge=1, description="held-out records used (evenly spaced)")
+    sources: Optional[list[str]] = Field(default=None, description="only held-out records of these sources")
     temperature: float = Field(default=0.0, ge=0.0)
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Protocol
 
 from contract.config import RunConfig
 
-STAGE_ORDER: tuple[str, ...] = ("target", "ingest", "regenerate", "validate", "capture", "train")
+STAGE_ORDER: tuple[str, ...] = ("target", "ingest", "regenerate", "validate", "capture", "train", "evaluate")
 
 
 class StageResult(Protocol):

@@ -24,38 +24,27 @@ With `steps` S, `topk` 1 and `num_draft_tokens` S + 1 this is SGLang's chain mod
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from models.draft_tree import DraftCache, DraftTree, ancestor_mask, build_tree, draft_extend, select_nodes
 from models.eagle3 import Eagle3Draft
-from models.target_capture import _first, decoder_parts, resolve_aux_layer_ids
+from models.target_capture import captured_outputs, decoder_parts, resolve_aux_layer_ids
 
 Tensor = torch.Tensor
-
-
-@contextmanager
-def captured_outputs(model: Any, layer_ids: Sequence[int]) -> Iterator[dict[int, Tensor]]:
-    """Forward hooks that record the outputs of decoder layers `layer_ids` (the aux states) while open."""
-    _, layers, _ = decoder_parts(model)
-    captured: dict[int, Tensor] = {}
-    handles = [layers[i].register_forward_hook(lambda _m, _a, out, i=i: captured.__setitem__(i, _first(out)))
-               for i in layer_ids]
-    try:
-        yield captured
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 class TargetState:
     """The target model and its KV cache for one sequence; every forward goes through `forward`."""
 
     def __init__(self, model: Any, aux_layer_ids: Sequence[int] = ()) -> None:
+        from transformers import DynamicCache  # ~1 s to import: only where a target runs
+
+        implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        if implementation.startswith("flash"):
+            raise ValueError(f"attention '{implementation}' ignores custom 4D masks; load the target with sdpa or eager")
         self.model = model
         self.aux_layer_ids = list(aux_layer_ids)
         self.cache = DynamicCache(config=model.config)
@@ -225,7 +214,8 @@ def target_generate(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, 
 
 class SpeculativeDecoder:
     """EAGLE3 speculative decoding of one sequence: `steps` draft depths, `topk` children per expanded node,
-    `num_draft_tokens` tokens verified per round (root included; a chain needs topk 1 and steps + 1)."""
+    `num_draft_tokens` tokens verified per round (root included; a chain needs topk 1 and steps + 1).
+    A draft without an embedding gets the target's (attach_embedding), as the engines give it theirs."""
 
     def __init__(self, target: Any, draft: Eagle3Draft, aux_layer_ids: Optional[Sequence[int]] = None,
                  steps: int = 3, topk: int = 1, num_draft_tokens: Optional[int] = None) -> None:
@@ -264,6 +254,8 @@ class SpeculativeDecoder:
                  eos_token_id: Optional[int | Sequence[int]] = None,
                  generator: Optional[torch.Generator] = None) -> tuple[list[int], SpeculativeStats]:
         """Up to max_new_tokens tokens after the prompt (stopping after an EOS), and the request's stats."""
+        if temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
         stats = SpeculativeStats(max_depth=self.steps)
         sink = TokenSink(max_new_tokens, eos_token_id)
         if sink.done:

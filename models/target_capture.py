@@ -19,7 +19,8 @@ exactly what a single-record forward pass gives.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -64,9 +65,25 @@ def decoder_parts(model: Any) -> tuple[Any, Any, Any]:
     return base, layers, norm
 
 
-def _first(output: Any) -> Tensor:
+def layer_output(output: Any) -> Tensor:
     """A decoder layer returns a tensor (transformers 5) or a tuple whose first item is the hidden state."""
     return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@contextmanager
+def captured_outputs(model: Any, layer_ids: Sequence[int]) -> Iterator[dict[Any, Tensor]]:
+    """Forward hooks that record the outputs of decoder layers `layer_ids` (the aux states) while open;
+    with `"norm"` among the ids, also the final norm's output (the lm_head input)."""
+    _, layers, norm = decoder_parts(model)
+    captured: dict[Any, Tensor] = {}
+    modules = {layer_id: norm if layer_id == "norm" else layers[layer_id] for layer_id in layer_ids}
+    handles = [module.register_forward_hook(lambda _m, _a, out, key=key: captured.__setitem__(key, layer_output(out)))
+               for key, module in modules.items()]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def capture_padded(model: Any, input_ids: Tensor, aux_layer_ids: Sequence[int],
@@ -75,21 +92,13 @@ def capture_padded(model: Any, input_ids: Tensor, aux_layer_ids: Sequence[int],
 
     Rows beyond each record's length (where attention_mask is 0) hold padding garbage: slice them away.
     """
-    base, layers, norm = decoder_parts(model)
+    base, layers, _ = decoder_parts(model)
     ids = resolve_aux_layer_ids(aux_layer_ids, len(layers))
-    captured: dict[Any, Tensor] = {}
-    handles = [layers[i].register_forward_hook(lambda _m, _a, out, i=i: captured.__setitem__(i, _first(out)))
-               for i in ids]
-    handles.append(norm.register_forward_hook(lambda _m, _a, out: captured.__setitem__("norm", _first(out))))
     device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            base(input_ids=input_ids.to(device),
-                 attention_mask=None if attention_mask is None else attention_mask.to(device),
-                 use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with captured_outputs(model, [*ids, "norm"]) as captured, torch.no_grad():
+        base(input_ids=input_ids.to(device),
+             attention_mask=None if attention_mask is None else attention_mask.to(device),
+             use_cache=False)
     missing = [i for i in [*ids, "norm"] if i not in captured]
     if missing:
         raise RuntimeError(f"capture hooks did not fire for {missing}: the model skipped those modules")

@@ -95,3 +95,13 @@ def link_or_copy(source: Path, destination: Path) -> None:
         os.link(source, destination)
     except OSError:
         shutil.copy2(source, destination)
+
+
+def save_figure(figure: Any, path: Path) -> Path:
+    """A matplotlib figure as PNG, written atomically, and closed (figures stay in memory until closed)."""
+    import matplotlib.pyplot as plt
+
+    with atomic_file(path, "wb") as handle:
+        figure.savefig(handle, format="png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path

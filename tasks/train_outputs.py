@@ -11,7 +11,7 @@ import torch
 from contract.config import RunConfig
 from contract.config_loading import config_as_yaml
 from models.eagle3 import Eagle3Draft
-from tasks.artifacts import read_json
+from tasks.artifacts import read_json, save_figure
 
 ENGINES = ("sglang", "vllm")
 
@@ -62,11 +62,7 @@ def plot_accuracy(metrics: dict[str, float], before: dict[str, float], path: Pat
     axis.set_ylabel("eval acc_k")
     axis.set_title(f"simulated accept length {metrics.get('simulated_accept_len', 0):.2f}")
     axis.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 class training_tracker:

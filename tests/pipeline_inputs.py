@@ -35,6 +35,7 @@ def tiny_run_config(output_dir: str, model_dir: Path, chats: str, tracking: dict
         "validation": {"max_length": 256, "eval_fraction": 0.25},
         "capture": {"aux_layer_ids": [1, 2, 3], "draft_vocab_size": 128, "records_per_shard": 2},
         "training": {"ttt_length": 2, "max_steps": 3, "tokens_per_step": 256, "eval_interval": 2, "save_interval": 2},
+        "evaluation": {"steps": 2, "topk": 2, "num_draft_tokens": 4, "max_new_tokens": 8},
         "deployment": {"trainer": {"nproc_per_node": 1}},
         "tracking": tracking,
     }

@@ -1,0 +1,310 @@
+"""evaluate stage: the trained drafter's acceptance on held-out prompts, measured by our reference decoder.
+
+Reads the target, the exported drafter `draft/sglang` (its contract is checked against the target) and the
+held-out records `data/eval.jsonl` (MT-bench for the embedded default). Every supervised assistant turn of a
+record is one prompt: the conversation up to that turn's generation prompt, so turn 2 of MT-bench sees
+turn 1 as the target wrote it.
+
+Each prompt is decoded by the target alone and by speculative decoding (models/speculative.py) as a chain
+(`evaluation.steps` S, topk 1, S + 1 tokens: what vLLM's `num_speculative_tokens` = S runs) and, when
+`evaluation.topk` > 1, as a dynamic tree (topk K, steps S, `num_draft_tokens` N, like SGLang's flags).
+Greedy (temperature 0) outputs must equal the target's token for token: a mismatch fails the stage after the
+report is written, naming the prompts.
+
+Writes `evaluate/acceptance.json` (per mode: mean acceptance length, acceptance by depth, accepted-length
+histogram, drafted tokens per round, draft/verify time split, tokens per target forward; buckets by source,
+category and prompt length), `evaluate/acceptance_by_depth.png` and `evaluate/accept_length_histogram.png`.
+
+    .venv/bin/eaglet stage evaluate --config params.yaml
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from contract.chat_rendering import render_with_spans, spans_in_pretemplated
+from contract.config import RunConfig
+from contract.records import PromptRecord
+from tasks.artifacts import read_json, save_figure, write_json
+from tasks.progress import advance, progress_bar
+
+LENGTH_BUCKETS = (256, 512, 1024)
+
+
+class GreedyMismatch(RuntimeError):
+    """Speculative decoding changed a greedy output: the decoder or the drafter's contract is broken."""
+
+
+@dataclass
+class EvalPrompt:
+    id: str
+    turn: int
+    source: str
+    category: str
+    input_ids: list[int]
+
+    @property
+    def key(self) -> str:
+        return f"{self.id}#turn{self.turn}"
+
+    @property
+    def length_bucket(self) -> str:
+        for bound in LENGTH_BUCKETS:
+            if len(self.input_ids) < bound:
+                return f"<{bound}"
+        return f">={LENGTH_BUCKETS[-1]}"
+
+
+@dataclass
+class DecodeMode:
+    """One speculative configuration, named as the report names it."""
+
+    name: str
+    steps: int
+    topk: int
+    num_draft_tokens: int
+
+
+@dataclass
+class ModeTotals:
+    """Rounds and timings of one mode over all prompts, and per bucket."""
+
+    mode: DecodeMode
+    accept_lengths: list[int] = field(default_factory=list)
+    drafted_tokens: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    generated_tokens: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    buckets: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, prompt: EvalPrompt, stats: Any, seconds: float) -> None:
+        self.accept_lengths += stats.accept_lengths
+        self.drafted_tokens += stats.drafted_tokens
+        self.target_forwards += stats.target_forwards
+        self.generated_tokens += stats.generated_tokens
+        self.draft_seconds += stats.draft_seconds
+        self.verify_seconds += stats.verify_seconds
+        self.wall_seconds += seconds
+        for bucket in (f"source={prompt.source}", f"category={prompt.category}",
+                       f"prompt_tokens{prompt.length_bucket}", f"turn={prompt.turn}"):
+            self.buckets.setdefault(bucket, []).extend(stats.accept_lengths)
+
+    def report(self) -> dict[str, Any]:
+        rounds = len(self.accept_lengths)
+        histogram = {str(length): self.accept_lengths.count(length) for length in range(1, self.mode.steps + 2)}
+        by_depth = [sum(length - 1 >= depth for length in self.accept_lengths) / rounds if rounds else 0.0
+                    for depth in range(1, self.mode.steps + 1)]
+        busy = self.draft_seconds + self.verify_seconds
+        return {
+            "steps": self.mode.steps, "topk": self.mode.topk, "num_draft_tokens": self.mode.num_draft_tokens,
+            "rounds": rounds, "mean_accept_length": mean(self.accept_lengths),
+            "acceptance_by_depth": by_depth, "accept_length_histogram": histogram,
+            "mean_drafted_tokens": mean(self.drafted_tokens),
+            "target_forwards": self.target_forwards, "generated_tokens": self.generated_tokens,
+            "tokens_per_target_forward": self.generated_tokens / self.target_forwards if self.target_forwards else 0.0,
+            "draft_time_share": self.draft_seconds / busy if busy else 0.0,
+            "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
+            "tokens_per_second": self.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0,
+            "buckets": {name: {"rounds": len(values), "mean_accept_length": mean(values)}
+                        for name, values in sorted(self.buckets.items())},
+        }
+
+
+def mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+@dataclass
+class EvaluationResult:
+    report_path: Path
+    report: dict[str, Any]
+    plots: list[Path]
+
+    def summary(self) -> dict[str, float]:
+        numbers: dict[str, float] = {"prompts": float(self.report["prompts"]),
+                                     "greedy_mismatches": float(len(self.report["greedy_mismatches"])),
+                                     "target_tokens_per_second": self.report["target"]["tokens_per_second"]}
+        for name in ("chain", "tree"):
+            mode = self.report.get(name)
+            if not mode:
+                continue
+            numbers[f"{name}_mean_accept_length"] = mode["mean_accept_length"]
+            numbers[f"{name}_tokens_per_target_forward"] = mode["tokens_per_target_forward"]
+            numbers[f"{name}_tokens_per_second"] = mode["tokens_per_second"]
+            for depth, rate in enumerate(mode["acceptance_by_depth"], start=1):
+                numbers[f"{name}_acceptance_depth_{depth}"] = rate
+        return numbers
+
+    def reports(self) -> list[Path]:
+        return [self.report_path, *self.plots]
+
+
+def decode_modes(cfg: RunConfig) -> list[DecodeMode]:
+    """The chain always (the engines' chain settings compare with it), the tree when topk > 1."""
+    settings = cfg.evaluation
+    modes = [DecodeMode("chain", settings.steps, 1, settings.steps + 1)]
+    if settings.topk > 1:
+        modes.append(DecodeMode("tree", settings.steps, settings.topk, settings.num_draft_tokens))
+    return modes
+
+
+def eval_prompts(path: Path, tokenizer: Any, max_length: int, max_records: Optional[int],
+                 sources: Optional[list[str]] = None) -> list[EvalPrompt]:
+    """One prompt per supervised assistant turn of each held-out record from `sources` (all when None);
+    with `max_records`, that many records evenly spaced through the file (so every category is sampled)."""
+    records = [record for record in read_records(path) if sources is None or record.source in sources]
+    if max_records is not None and len(records) > max_records:
+        records = [records[index * len(records) // max_records] for index in range(max_records)]
+    prompts: list[EvalPrompt] = []
+    for record in records:
+        rendered = (spans_in_pretemplated(tokenizer, record.text) if record.text is not None
+                    else render_with_spans(tokenizer, record.messages))
+        for turn, (start, _) in enumerate(rendered.spans, start=1):
+            ids = tokenizer(rendered.text[:start], add_special_tokens=False)["input_ids"]
+            if len(ids) >= max_length:
+                break  # later turns are longer still
+            prompts.append(EvalPrompt(record.id, turn, record.source, record.metadata.get("category", "-"), ids))
+    if not prompts:
+        wanted = f" from sources {sources}" if sources else ""
+        raise ValueError(f"{path}: no evaluation prompt{wanted} (no supervised assistant turn within {max_length} tokens)")
+    return prompts
+
+
+def read_records(path: Path) -> list[PromptRecord]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no held-out records; run the validate stage first")
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(PromptRecord.model_validate_json(line))
+            except ValueError as error:
+                raise ValueError(f"{path}:{number}: not a prompt record: {error}") from None
+    return records
+
+
+def load_drafter(cfg: RunConfig, target: Any) -> Any:
+    """The exported SGLang drafter, checked against the target's contract, on the target's device."""
+    from models.draft_checkpoint import load_pretrained
+
+    out = cfg.output_path
+    directory = out / "draft" / "sglang"
+    if not (directory / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{directory}: no exported drafter; run the train stage first")
+    draft, _ = load_pretrained(directory, read_json(out / "target.json"))
+    draft.to(next(target.parameters()).device)
+    draft.attach_embedding(target.get_input_embeddings().weight)
+    draft.eval()
+    return draft
+
+
+def run(cfg: RunConfig) -> EvaluationResult:
+    from models.speculative import SpeculativeDecoder, target_generate
+    from tasks.capture import load_model, load_tokenizer
+
+    out = cfg.output_path
+    settings = cfg.evaluation
+    tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
+    target = load_model(cfg, out / "target")
+    target.eval()
+    draft = load_drafter(cfg, target)
+    prompts = eval_prompts(out / "data" / "eval.jsonl", tokenizer, cfg.validation.max_length, settings.max_prompts,
+                           settings.sources)
+    eos = target.generation_config.eos_token_id if target.generation_config is not None else tokenizer.eos_token_id
+    modes = decode_modes(cfg)
+    decoders = {mode.name: SpeculativeDecoder(target, draft, steps=mode.steps, topk=mode.topk,
+                                              num_draft_tokens=mode.num_draft_tokens) for mode in modes}
+    totals = {mode.name: ModeTotals(mode) for mode in modes}
+    baseline_tokens, baseline_seconds = 0, 0.0
+    mismatches: list[dict[str, Any]] = []
+    with progress_bar("evaluate", len(prompts) * (1 + len(modes))) as bar:
+        for index, prompt in enumerate(prompts):
+            started = time.perf_counter()
+            generator = seeded(cfg.runtime.seed + index)
+            expected = target_generate(target, prompt.input_ids, settings.max_new_tokens, settings.temperature, eos,
+                                       generator)
+            baseline_seconds += time.perf_counter() - started
+            baseline_tokens += len(expected)
+            advance(bar, 1)
+            for mode in modes:
+                started = time.perf_counter()
+                tokens, stats = decoders[mode.name].generate(prompt.input_ids, settings.max_new_tokens,
+                                                             settings.temperature, eos, seeded(cfg.runtime.seed + index))
+                totals[mode.name].add(prompt, stats, time.perf_counter() - started)
+                if settings.temperature == 0.0 and tokens != expected:
+                    mismatches.append(mismatch(prompt, mode, expected, tokens))
+                advance(bar, 1)
+    report = {
+        "prompts": len(prompts), "records": len({prompt.id for prompt in prompts}),
+        "temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens,
+        "drafter": str(out / "draft" / "sglang"),
+        "target": {"generated_tokens": baseline_tokens,
+                   "tokens_per_second": baseline_tokens / baseline_seconds if baseline_seconds else 0.0},
+        **{name: mode_totals.report() for name, mode_totals in totals.items()},
+        "greedy_equivalence": "not checked (temperature > 0)" if settings.temperature else
+                              ("passed" if not mismatches else "failed"),
+        "greedy_mismatches": mismatches,
+    }
+    for name in totals:
+        report[name]["speedup_vs_target"] = (report[name]["tokens_per_second"] / report["target"]["tokens_per_second"]
+                                            if report["target"]["tokens_per_second"] else 0.0)
+    report_path = out / "evaluate" / "acceptance.json"
+    write_json(report_path, report)
+    plots = plot_acceptance(report, out / "evaluate")
+    if mismatches:
+        listed = ", ".join(f"{item['prompt']} ({item['mode']}, first difference at token {item['position']})"
+                           for item in mismatches[:10])
+        raise GreedyMismatch(f"speculative decoding changed {len(mismatches)} greedy output(s): {listed}; "
+                             f"see {report_path}")
+    return EvaluationResult(report_path, report, plots)
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def mismatch(prompt: EvalPrompt, mode: DecodeMode, expected: list[int], actual: list[int]) -> dict[str, Any]:
+    position = next((i for i, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
+    return {"prompt": prompt.key, "mode": mode.name, "position": position,
+            "expected": expected[position:position + 8], "actual": actual[position:position + 8]}
+
+
+def plot_acceptance(report: dict[str, Any], directory: Path) -> list[Path]:
+    """Acceptance rate by depth and the accepted-length histogram, one series per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [name for name in ("chain", "tree") if name in report]
+    paths = []
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    for offset, name in enumerate(modes):
+        rates = report[name]["acceptance_by_depth"]
+        axis.bar([depth + 0.4 * offset - 0.2 for depth in range(1, len(rates) + 1)], rates, width=0.4, label=name)
+    axis.set_xlabel("draft depth d")
+    axis.set_ylabel("share of rounds accepting >= d")
+    axis.set_ylim(0, 1)
+    axis.legend()
+    axis.set_title("Acceptance by depth (held-out prompts)")
+    paths.append(save_figure(figure, directory / "acceptance_by_depth.png"))
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    for offset, name in enumerate(modes):
+        histogram = report[name]["accept_length_histogram"]
+        lengths = [int(length) for length in histogram]
+        axis.bar([length + 0.4 * offset - 0.2 for length in lengths], list(histogram.values()), width=0.4,
+                 label=f"{name} (mean {report[name]['mean_accept_length']:.2f})")
+    axis.set_xlabel("accepted length per round (drafts + bonus)")
+    axis.set_ylabel("rounds")
+    axis.legend()
+    paths.append(save_figure(figure, directory / "accept_length_histogram.png"))
+    return paths
