@@ -85,10 +85,14 @@ def stage_errors() -> tuple[type[Exception], ...]:
     """Errors whose message says all a person needs: printed without a traceback."""
     from contract.checkpoint import ContractMismatch
     from tasks.assets import AssetMissing
+    from tasks.benchmark import BenchmarkFailed
+    from tasks.engine import EngineStartError
+    from tasks.evaluate import GreedyMismatch
     from tasks.train import TrainingDiverged, TrainingFailed
     from tasks.train_checkpoint import ResumeRefused
 
-    return (AssetMissing, ContractMismatch, ResumeRefused, TrainingDiverged, TrainingFailed, FileNotFoundError)
+    return (AssetMissing, BenchmarkFailed, ContractMismatch, EngineStartError, GreedyMismatch, ResumeRefused,
+            TrainingDiverged, TrainingFailed, FileNotFoundError)
 
 
 @app.command("run")

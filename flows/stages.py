@@ -10,7 +10,8 @@ from typing import Any, Callable, Protocol
 
 from contract.config import RunConfig
 
-STAGE_ORDER: tuple[str, ...] = ("target", "ingest", "regenerate", "validate", "capture", "train", "evaluate")
+STAGE_ORDER: tuple[str, ...] = ("target", "ingest", "regenerate", "validate", "capture", "train", "evaluate",
+                                  "benchmark")
 
 
 class StageResult(Protocol):

@@ -46,8 +46,9 @@ from typing import Any, Optional
 
 from contract.config import RunConfig
 from contract.records import PromptRecord
-from tasks.artifacts import read_json, write_json, write_jsonl
+from tasks.artifacts import read_json, save_figure, write_json, write_jsonl
 from tasks.engine import EngineKind, EngineLaunch, RunningEngine, metric_total, serve
+from tasks.evaluate import select_records, turn_prefixes
 from tasks.serving_client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
 
 VARIANTS = ("baseline", "eagle3")
@@ -101,11 +102,13 @@ class VariantRun:
 def run(cfg: RunConfig) -> BenchmarkResult:
     """Benchmark every engine of `benchmark.engines`; write benchmark/report.json; raise on a failed check."""
     settings = cfg.benchmark
-    if not settings.engines:
-        raise ValueError("benchmark.engines is empty: name the engines to benchmark, e.g. benchmark.engines=[vllm]")
     out = cfg.output_path
-    check_inputs(out, settings.engines)
-    records = read_eval_records(out / "data" / "eval.jsonl")
+    if not settings.engines:  # a run without a serving engine (e.g. CI-size configs): say so, gate nothing
+        report = {"skipped": "benchmark.engines is empty (e.g. benchmark.engines=[vllm])", "engines": {},
+                  "failures": [], "passed": True}
+        return write_outputs(out / "benchmark", report, [])
+    check_inputs(cfg)
+    records = select_records(out / "data" / "eval.jsonl", cfg.evaluation.max_prompts, cfg.evaluation.sources)
     requests = build_requests(records, settings.num_requests)
     steps = cfg.evaluation.steps  # the offline evaluation's chain length: both measure the same drafting
     sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens)
@@ -139,42 +142,33 @@ def run(cfg: RunConfig) -> BenchmarkResult:
 # --- inputs ---------------------------------------------------------------------------------------------
 
 
-def check_inputs(out: Path, engines: list[str]) -> None:
+def check_inputs(cfg: RunConfig) -> None:
     """Refuse before starting any engine (a start costs tens of seconds) when an input is missing."""
+    out, engines = cfg.output_path, cfg.benchmark.engines
+    unconfigured = [kind for kind in engines if kind not in cfg.runtime.engines]
+    if unconfigured:
+        raise ValueError(f"benchmark.engines names {', '.join(unconfigured)} but runtime.engines does not configure "
+                         f"it (python of the engine's environment, port)")
     needed = [(out / "target", "run the target stage"), (out / "data" / "eval.jsonl", "run the validate stage")]
-    needed += [(out / "draft" / kind, "run the train stage (it exports draft/sglang and draft/vllm)") for kind in engines]
+    for kind in engines:
+        needed.append((out / "draft" / kind, "run the train stage (it exports draft/sglang and draft/vllm)"))
     for path, hint in needed:
         if not path.exists():
             raise FileNotFoundError(f"benchmark needs {path}: {hint}")
 
 
-def read_eval_records(path: Path) -> list[PromptRecord]:
-    with open(path, encoding="utf-8") as handle:
-        return [PromptRecord.model_validate_json(line) for line in handle if line.strip()]
-
-
-def first_user_turn(record: PromptRecord) -> Optional[list[dict[str, str]]]:
-    """The messages up to and including the first user turn (system turns before it kept); None when the
-    record is pre-templated text or has no user turn."""
-    messages: list[dict[str, str]] = []
-    for message in record.messages:
-        if message.role == "assistant":
-            return None
-        messages.append({"role": message.role, "content": message.content or ""})
-        if message.role == "user":
-            return messages
-    return None
-
-
 def build_requests(records: list[PromptRecord], count: int) -> list[ChatRequest]:
-    """`count` requests from the records' first user turns, cycling through them when there are fewer."""
-    prompts = [(record.id, first_user_turn(record)) for record in records]
-    usable = [(prompt_id, messages) for prompt_id, messages in prompts if messages is not None]
-    if not usable:
-        raise ValueError(f"none of the {len(records)} eval records starts with a user turn to send to a chat endpoint")
+    """`count` chat requests, one per supervised assistant turn of the records (the evaluate stage's prompts,
+    so the engine's acceptance compares with the offline one), cycling through them when there are fewer."""
+    prompts = [(f"{record.id}#turn{turn}", [{"role": message.role, "content": message.content or ""}
+                                            for message in prefix])
+               for record in records for turn, prefix in enumerate(turn_prefixes(record), start=1)]
+    if not prompts:
+        raise ValueError(f"none of the {len(records)} eval records has a supervised assistant turn as messages "
+                         "(pre-templated text cannot be sent to a chat endpoint)")
     requests = []
     for index in range(count):
-        prompt_id, messages = usable[index % len(usable)]
+        prompt_id, messages = prompts[index % len(prompts)]
         requests.append(ChatRequest(index=index, prompt_id=prompt_id, messages=messages))
     return requests
 
@@ -199,19 +193,19 @@ def measure_variant(cfg: RunConfig, kind: EngineKind, variant: str, requests: li
     started = time.monotonic()
     with serve(launch) as engine:
         startup_s = time.monotonic() - started
-        run = VariantRun(variant=variant, report={
+        measured = VariantRun(variant=variant, report={
             "command": engine.command, "log": str(launch.log_path), "startup_s": startup_s, "levels": [],
         })
         warm_up(engine, requests[0])
         with PeakMemory(engine.pid) as memory:
             for concurrency in cfg.benchmark.concurrency:
                 level, results = measure_level(engine, kind, requests, sampling, concurrency, draft is not None)
-                run.report["levels"].append(level)
-                run.results[concurrency] = results
-        run.report["peak_rss_mib"] = memory.peak_bytes / 2**20
+                measured.report["levels"].append(level)
+                measured.results[concurrency] = results
+        measured.report["peak_rss_mib"] = memory.peak_bytes / 2**20
     if draft is not None:
-        run.report["speculative"] = overall_acceptance(kind, run.report["levels"])
-    return run
+        measured.report["speculative"] = overall_acceptance(kind, measured.report["levels"])
+    return measured
 
 
 def warm_up(engine: RunningEngine, request: ChatRequest) -> None:
@@ -347,11 +341,13 @@ def overall_acceptance(kind: str, levels: list[dict[str, Any]]) -> dict[str, Any
             combined[name] = sum(values) / len(values) if values else None
     else:
         combined = {name: sum(window[name] for window in windows) for name in VLLM_COUNTERS}
-        depth = max((len(window["accepted_per_position"]) for window in windows), default=0)
-        combined["accepted_per_position"] = [
-            sum(window["accepted_per_position"][i] for window in windows if i < len(window["accepted_per_position"]))
-            for i in range(depth)
-        ]
+        per_position: list[float] = []
+        for window in windows:
+            for position, accepted in enumerate(window["accepted_per_position"]):
+                if position == len(per_position):
+                    per_position.append(0.0)
+                per_position[position] += accepted
+        combined["accepted_per_position"] = per_position
     return {"window": combined, **acceptance(kind, combined)}
 
 
@@ -391,13 +387,13 @@ def speedups(baseline: list[dict[str, Any]], eagle3: list[dict[str, Any]]) -> li
     return rows
 
 
-def failed_requests(kind: str, run: VariantRun) -> list[str]:
+def failed_requests(kind: str, measured: VariantRun) -> list[str]:
     failures = []
-    for concurrency, results in run.results.items():
+    for concurrency, results in measured.results.items():
         failed = [result for result in results if not result.ok]
         if failed:
-            failures.append(f"{kind} {run.variant}: {len(failed)} of {len(results)} requests failed at concurrency "
-                            f"{concurrency}, first: {failed[0].prompt_id}: {failed[0].error}")
+            failures.append(f"{kind} {measured.variant}: {len(failed)} of {len(results)} requests failed at "
+                            f"concurrency {concurrency}, first: {failed[0].prompt_id}: {failed[0].error}")
     return failures
 
 
@@ -472,7 +468,8 @@ def acceptance_verdict(out: Path, kind: str, check: dict[str, Any]) -> dict[str,
     gap = abs(engine - offline) / offline
     if gap <= check["tolerance"]:
         return {"status": "ok", "relative_gap": gap}
-    return {"status": "failed", "relative_gap": gap, "reason": layer_hint(out, kind, engine, offline, gap, check["tolerance"])}
+    reason = layer_hint(out, kind, engine, offline, gap, check["tolerance"])
+    return {"status": "failed", "relative_gap": gap, "reason": reason}
 
 
 def layer_hint(out: Path, kind: str, engine: float, offline: float, gap: float, tolerance: float) -> str:
@@ -495,12 +492,12 @@ def layer_hint(out: Path, kind: str, engine: float, offline: float, gap: float, 
 # --- outputs --------------------------------------------------------------------------------------------
 
 
-def request_rows(kind: str, run: VariantRun) -> list[dict[str, Any]]:
+def request_rows(kind: str, measured: VariantRun) -> list[dict[str, Any]]:
     rows = []
-    for concurrency, results in run.results.items():
+    for concurrency, results in measured.results.items():
         for result in results:
             rows.append({
-                "engine": kind, "variant": run.variant, "concurrency": concurrency, "request": result.index,
+                "engine": kind, "variant": measured.variant, "concurrency": concurrency, "request": result.index,
                 "prompt_id": result.prompt_id, "output_tokens": result.output_tokens,
                 "content_chunks": result.content_chunks, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
                 "latency_s": result.latency_s, "finish_reason": result.finish_reason, "error": result.error,
@@ -537,13 +534,10 @@ def plot_serving(report: dict[str, Any], path: Path) -> Optional[Path]:
     throughput.set(xlabel="concurrency", ylabel="output tokens/s", title="throughput")
     tpot.set(xlabel="concurrency", ylabel="TPOT P50 (ms)", title="time per output token")
     for axis in (throughput, tpot):
+        axis.set_xticks(report["settings"]["concurrency"])
         axis.legend()
         axis.grid(alpha=0.3)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 LEVEL_METRICS = {
@@ -570,7 +564,8 @@ def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
                 for name, path in LEVEL_METRICS.items():
                     metrics[f"{prefix}_{name}"] = dig(level, path)
                 if "speculative" in level:
-                    metrics[f"{kind}_c{level['concurrency']}_mean_accept_length"] = level["speculative"]["mean_accept_length"]
+                    accept_length = level["speculative"]["mean_accept_length"]
+                    metrics[f"{kind}_c{level['concurrency']}_mean_accept_length"] = accept_length
         for row in engine["speedup"]:
             metrics[f"{kind}_c{row['concurrency']}_speedup"] = row["output_tokens_per_s"]
         speculative = engine["eagle3"]["speculative"]

@@ -27,9 +27,9 @@ from typing import Any, Optional
 
 import torch
 
-from contract.chat_rendering import render_with_spans, spans_in_pretemplated
+from contract.chat_rendering import is_supervised, render_with_spans, spans_in_pretemplated
 from contract.config import RunConfig
-from contract.records import PromptRecord
+from contract.records import Message, PromptRecord
 from tasks.artifacts import read_json, save_figure, write_json
 from tasks.progress import advance, progress_bar
 
@@ -159,11 +159,8 @@ def eval_prompts(path: Path, tokenizer: Any, max_length: int, max_records: Optio
                  sources: Optional[list[str]] = None) -> list[EvalPrompt]:
     """One prompt per supervised assistant turn of each held-out record from `sources` (all when None);
     with `max_records`, that many records evenly spaced through the file (so every category is sampled)."""
-    records = [record for record in read_records(path) if sources is None or record.source in sources]
-    if max_records is not None and len(records) > max_records:
-        records = [records[index * len(records) // max_records] for index in range(max_records)]
     prompts: list[EvalPrompt] = []
-    for record in records:
+    for record in select_records(path, max_records, sources):
         rendered = (spans_in_pretemplated(tokenizer, record.text) if record.text is not None
                     else render_with_spans(tokenizer, record.messages))
         for turn, (start, _) in enumerate(rendered.spans, start=1):
@@ -175,6 +172,19 @@ def eval_prompts(path: Path, tokenizer: Any, max_length: int, max_records: Optio
         wanted = f" from sources {sources}" if sources else ""
         raise ValueError(f"{path}: no evaluation prompt{wanted} (no supervised assistant turn within {max_length} tokens)")
     return prompts
+
+
+def select_records(path: Path, max_records: Optional[int], sources: Optional[list[str]]) -> list[PromptRecord]:
+    """The held-out records evaluated (and benchmarked: both stages must see the same prompts)."""
+    records = [record for record in read_records(path) if sources is None or record.source in sources]
+    if max_records is not None and len(records) > max_records:
+        records = [records[index * len(records) // max_records] for index in range(max_records)]
+    return records
+
+
+def turn_prefixes(record: PromptRecord) -> list[list[Message]]:
+    """The conversation before each supervised assistant turn: what a chat client sends for that turn."""
+    return [record.messages[:index] for index, message in enumerate(record.messages) if is_supervised(message)]
 
 
 def read_records(path: Path) -> list[PromptRecord]:

@@ -28,7 +28,7 @@ def test_prefect_flow_runs_the_stages_and_tracks_them(prefect_harness, tmp_path:
     state = pipeline(str(config), ["validation.max_length=512"], return_state=True)
     assert state.is_completed(), state
     summaries = state.result()
-    assert list(summaries) == ["target", "ingest", "regenerate", "validate", "capture", "train", "evaluate"]
+    assert list(summaries) == ["target", "ingest", "regenerate", "validate", "capture", "train", "evaluate", "benchmark"]
     assert summaries["train"]["complete"] == 1 and summaries["train"]["steps"] >= 1 and (tmp_path / "out" / "draft" / "sglang" / "model.safetensors").is_file()
     assert summaries["ingest"] == {"input": 84, "ok": 6, "error": 1, "skipped": 77}
     regenerated = summaries["regenerate"]

@@ -1,0 +1,505 @@
+"""benchmark stage: the streaming client and its statistics, the speculative counters and checks, and one
+real benchmark on the vLLM CPU build (`make serve-env`) with a drafter trained on the tiny target.
+
+The fast tests stream from a scripted SSE server in this process (known chunk delays, optional usage, failures),
+feed the counter arithmetic the exact /metrics series vLLM 0.32 writes, and run the stage over canned
+measurements. The slow test trains a drafter on the very text the target generates greedily, so the engine
+accepts its drafts, serves it on vLLM, and checks the engine's acceptance against the offline estimate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from contract.config import RunConfig
+from contract.records import PromptRecord
+from tasks import benchmark
+from tasks.engine import free_port, parse_prometheus
+from tasks.serving_client import (ChatRequest, RequestResult, Sampling, distribution_ms, percentile, run_level,
+                                  stream_chat, summarize_level, time_per_output_token)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+
+
+# --- statistics -----------------------------------------------------------------------------------------
+
+
+def test_percentiles_interpolate_linearly_like_numpy() -> None:
+    import numpy
+
+    samples = [[5.0], [3.0, 1.0], [0.1, 0.5, 0.2, 0.9, 0.7], [float(i) for i in range(101)], [2.0, 2.0, 8.0, 1.0]]
+    for values in samples:
+        for q in (0, 50, 90, 99, 100):
+            assert percentile(values, q) == pytest.approx(numpy.percentile(values, q)), (values, q)
+    assert percentile([10.0, 20.0], 50) == 15.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_tpot_excludes_the_first_token() -> None:
+    assert time_per_output_token(latency_s=2.0, ttft_s=0.5, output_tokens=4) == pytest.approx(0.5)
+    assert time_per_output_token(latency_s=2.0, ttft_s=0.5, output_tokens=1) is None, "no second token"
+    assert time_per_output_token(latency_s=None, ttft_s=0.5, output_tokens=4) is None
+
+
+def test_a_level_summary_counts_tokens_over_wall_time_and_reports_milliseconds() -> None:
+    results = [
+        RequestResult(index=0, prompt_id="a", output_tokens=11, content_chunks=10, ttft_s=0.1, latency_s=1.1,
+                      itl_s=[0.1] * 9),
+        RequestResult(index=1, prompt_id="b", output_tokens=21, content_chunks=20, ttft_s=0.3, latency_s=2.3,
+                      itl_s=[0.2] * 19),
+        RequestResult(index=2, prompt_id="c", error="HTTP 500: boom"),
+    ]
+    level = summarize_level(results, wall_s=4.0)
+    assert (level["requests"], level["completed"], level["failed"]) == (3, 2, 1)
+    assert level["output_tokens"] == 32 and level["output_tokens_per_s"] == 8.0
+    assert level["requests_per_s"] == 0.5 and level["tokens_per_chunk"] == pytest.approx(32 / 30)
+    assert level["ttft_ms"]["mean"] == pytest.approx(200.0) and level["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert level["tpot_ms"]["p50"] == pytest.approx(100.0)  # (1.1-0.1)/10 = 0.1, (2.3-0.3)/20 = 0.1
+    assert level["itl_ms"]["p90"] == pytest.approx(200.0) and level["latency_ms"]["p99"] == pytest.approx(2288.0)
+    assert distribution_ms([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+# --- the streaming client against a scripted server ----------------------------------------------------
+
+
+class ScriptedServer:
+    """An OpenAI-style SSE server: a role chunk, then `pieces` one per `gap_s` after `first_s`, then usage.
+
+    A user message "fail" answers HTTP 500; "no-usage" leaves the usage chunk out. It records how many
+    requests were in flight at once.
+    """
+
+    def __init__(self, pieces: list[str], first_s: float, gap_s: float) -> None:
+        self.pieces, self.first_s, self.gap_s = pieces, first_s, gap_s
+        self.bodies: list[dict[str, Any]] = []
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        scripted = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                scripted.bodies.append(body)
+                prompt = body["messages"][-1]["content"]
+                if prompt == "fail":
+                    self.send_response(500)
+                    self.send_header("Content-Length", "4")
+                    self.end_headers()
+                    self.wfile.write(b"boom")
+                    return
+                with scripted.lock:
+                    scripted.in_flight += 1
+                    scripted.max_in_flight = max(scripted.max_in_flight, scripted.in_flight)
+                try:
+                    self.stream(prompt != "no-usage")
+                finally:
+                    with scripted.lock:
+                        scripted.in_flight -= 1
+
+            def stream(self, usage: bool) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                time.sleep(scripted.first_s)
+                for number, piece in enumerate(scripted.pieces):
+                    if number:
+                        time.sleep(scripted.gap_s)
+                    self.event({"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
+                self.event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+                if usage:
+                    self.event({"choices": [], "usage": {"completion_tokens": 2 * len(scripted.pieces)}})
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+
+            def event(self, chunk: dict[str, Any]) -> None:
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+
+        return Handler
+
+    def __enter__(self) -> "ScriptedServer":
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def scripted() -> Iterator[ScriptedServer]:
+    with ScriptedServer(["Hello", " there", " friend", "!"], first_s=0.2, gap_s=0.05) as server:
+        yield server
+
+
+def request(index: int, content: str) -> ChatRequest:
+    return ChatRequest(index=index, prompt_id=f"p{index}", messages=[{"role": "user", "content": content}])
+
+
+async def one_request(base_url: str, chat: ChatRequest) -> RequestResult:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+        return await stream_chat(client, base_url, "target", chat, Sampling(temperature=0.0, max_tokens=8))
+
+
+def test_a_streamed_request_is_timed_per_content_chunk(scripted: ScriptedServer) -> None:
+    result = asyncio.run(one_request(scripted.base_url, request(0, "hi")))
+    assert result.ok and result.text == "Hello there friend!"
+    assert result.output_tokens == 8 and result.usage_reported, "tokens come from usage, not from chunks"
+    assert result.content_chunks == 4 and len(result.itl_s) == 3, "the empty role chunk is not a token"
+    assert 0.2 <= result.ttft_s < 1.5
+    assert all(0.05 <= gap < 1.0 for gap in result.itl_s)
+    assert result.latency_s >= result.ttft_s + sum(result.itl_s) - 1e-6
+    assert result.tpot_s == pytest.approx((result.latency_s - result.ttft_s) / 7)
+    assert result.finish_reason == "length"
+    body = scripted.bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["temperature"] == 0.0 and body["max_tokens"] == 8 and "ignore_eos" not in body
+
+
+def test_without_usage_tokens_are_counted_as_chunks_and_failures_are_results(scripted: ScriptedServer) -> None:
+    plain = asyncio.run(one_request(scripted.base_url, request(0, "no-usage")))
+    assert plain.ok and plain.output_tokens == 4 and not plain.usage_reported
+    failed = asyncio.run(one_request(scripted.base_url, request(1, "fail")))
+    assert not failed.ok and failed.error.startswith("HTTP 500") and failed.latency_s is None
+
+
+def test_a_level_keeps_at_most_concurrency_requests_in_flight(scripted: ScriptedServer) -> None:
+    chats = [request(index, f"question {index}") for index in range(5)]
+    results, wall_s = asyncio.run(run_level(scripted.base_url, "target", chats, Sampling(0.0, 8), concurrency=2))
+    assert [result.index for result in results] == list(range(5)), "results come back in request order"
+    assert all(result.ok for result in results)
+    assert scripted.max_in_flight == 2
+    assert wall_s >= 3 * 0.35, "five requests of >= 0.35 s, two at a time: at least three rounds"
+
+
+# --- prompts, counters and checks -----------------------------------------------------------------------
+
+
+def prompt_record(record_id: str, messages: list[dict[str, Any]] | None = None,
+                  text: str | None = None) -> PromptRecord:
+    return PromptRecord.model_validate({"id": record_id, "source": "s", "messages": messages or [], "text": text,
+                                        "provenance": {"file": "eval.jsonl", "line": 1, "format": "openai"}})
+
+
+def test_requests_are_the_supervised_turns_cycled_to_the_requested_count() -> None:
+    records = [
+        prompt_record("s:1", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More"},
+                              {"role": "assistant", "content": "Fine"}]),
+        prompt_record("s:2", text="<|im_start|>user\nraw<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n"),
+        prompt_record("s:3", [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "So."}]),
+    ]
+    requests = benchmark.build_requests(records, 5)
+    assert [chat.prompt_id for chat in requests] == ["s:1#turn1", "s:1#turn2", "s:3#turn1", "s:1#turn1", "s:1#turn2"]
+    assert [chat.index for chat in requests] == list(range(5))
+    assert requests[0].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert requests[1].messages[-2:] == [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More"}]
+    with pytest.raises(ValueError, match="none of the 1 eval records"):
+        benchmark.build_requests([records[1]], 3)
+
+
+VLLM_METRICS = """\
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{{engine="0",model_name="target"}} {drafts}
+vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="target"}} {draft_tokens}
+vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="target"}} {accepted}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="target",position="0"}} {pos0}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="target",position="1"}} {pos1}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="target",position="2"}} {pos2}
+vllm:spec_decode_num_accepted_tokens_per_pos_created{{engine="0",model_name="target",position="0"}} 1.7e9
+"""
+
+
+def vllm_metrics(**values: float) -> dict[str, float]:
+    return parse_prometheus(VLLM_METRICS.format(**values))
+
+
+def test_vllm_acceptance_comes_from_counter_differences() -> None:
+    before = vllm_metrics(drafts=42, draft_tokens=126, accepted=5, pos0=5, pos1=0, pos2=0)
+    after = vllm_metrics(drafts=52, draft_tokens=156, accepted=20, pos0=12, pos1=6, pos2=2)
+    window = benchmark.speculative_window("vllm", before, after)
+    assert window == {"drafts": 10, "draft_tokens": 30, "accepted": 15, "accepted_per_position": [7, 6, 2]}
+    numbers = benchmark.acceptance("vllm", window)
+    assert numbers["mean_accept_length"] == pytest.approx(2.5), "15 accepted over 10 drafts, plus the bonus token"
+    assert numbers["draft_acceptance_rate"] == pytest.approx(0.5)
+    assert numbers["acceptance_rate_per_position"] == pytest.approx([0.7, 0.6, 0.2])
+    idle = benchmark.speculative_window("vllm", after, after)
+    assert benchmark.acceptance("vllm", idle)["mean_accept_length"] is None
+
+    levels = [{"speculative": {"window": window}}, {"speculative": {"window": idle}}]
+    overall = benchmark.overall_acceptance("vllm", levels)
+    assert overall["mean_accept_length"] == pytest.approx(2.5)
+
+
+def test_sglang_acceptance_comes_from_its_gauges() -> None:
+    metrics = parse_prometheus(
+        'sglang:spec_accept_length{dp_rank="0",model_name="m",tp_rank="0"} 2.5\n'
+        'sglang:spec_accept_length{dp_rank="0",model_name="m",tp_rank="1"} 2.7\n'
+        'sglang:spec_accept_rate{dp_rank="0",model_name="m",tp_rank="0"} 0.5\n'
+    )
+    window = benchmark.speculative_window("sglang", {}, metrics)
+    assert window["accept_length"] == pytest.approx(2.6) and window["accept_rate"] == 0.5
+    assert benchmark.acceptance("sglang", window)["mean_accept_length"] == pytest.approx(2.6)
+    assert benchmark.drafting_check("sglang", {"mean_accept_length": None, "window": {}}) is not None
+
+
+def offline_run(tmp_path: Path, mean_accept_length: float, steps: int = 3) -> RunConfig:
+    """A run dir with an offline evaluation and a vLLM export whose layer ids the message should quote."""
+    (tmp_path / "evaluate").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "evaluate" / "acceptance.json").write_text(
+        json.dumps({"chain": {"steps": steps, "mean_accept_length": mean_accept_length}}))
+    (tmp_path / "draft" / "vllm").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "draft" / "vllm" / "config.json").write_text(json.dumps({"eagle_config": {
+        "eaglet_aux_layer_ids": [1, 2, 3], "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}))
+    return RunConfig.model_validate({"output_dir": str(tmp_path)})
+
+
+def test_engine_acceptance_within_tolerance_of_the_offline_evaluation_passes(tmp_path: Path) -> None:
+    cfg = offline_run(tmp_path, mean_accept_length=2.0)
+    check = benchmark.check_acceptance(cfg, "vllm", 2.2, steps=3)
+    assert check["status"] == "ok" and check["relative_gap"] == pytest.approx(0.1)
+    assert check["tolerance"] == cfg.registry.engine_tolerance == 0.15
+
+
+def test_engine_acceptance_far_from_offline_points_at_layer_ids_template_and_vocab(tmp_path: Path) -> None:
+    cfg = offline_run(tmp_path, mean_accept_length=2.0)
+    check = benchmark.check_acceptance(cfg, "vllm", 1.1, steps=3)
+    assert check["status"] == "failed"
+    reason = check["reason"]
+    assert "1.100 in the engine vs 2.000 offline" in reason and "gap 45% > 15%" in reason
+    assert "DESIGN §3" in reason
+    assert "eagle_aux_hidden_state_layer_ids = [1, 2, 3] for trained layers [1, 2, 3]" in reason
+    assert "chat_template" in reason and "vocab_mapping" in reason
+
+    assert benchmark.check_acceptance(cfg, "vllm", None, steps=3)["status"] == "failed"
+    other_steps = benchmark.check_acceptance(offline_run(tmp_path, 2.0, steps=5), "vllm", 2.0, steps=3)
+    assert other_steps["status"] == "failed" and "used 5 draft steps" in other_steps["reason"]
+    sampled = cfg.model_copy(update={"benchmark": cfg.benchmark.model_copy(update={"temperature": 0.7})})
+    assert benchmark.check_acceptance(sampled, "vllm", 1.1, steps=3)["status"] == "skipped"
+    (tmp_path / "evaluate" / "acceptance.json").unlink()
+    assert benchmark.check_acceptance(cfg, "vllm", 1.1, steps=3)["status"] == "skipped"
+
+
+def test_greedy_mismatches_name_the_prompt_and_the_first_difference() -> None:
+    def variant(name: str, texts: list[str]) -> benchmark.VariantRun:
+        results = [RequestResult(index=i, prompt_id=f"mtbench:{i}", text=text) for i, text in enumerate(texts)]
+        return benchmark.VariantRun(variant=name, report={}, results={1: results})
+
+    greedy = benchmark.compare_greedy(variant("baseline", ["same", "The cat sat."]),
+                                      variant("eagle3", ["same", "The cat ran."]))
+    assert greedy["status"] == "failed" and greedy["compared"] == 2
+    [mismatch] = greedy["mismatches"]
+    assert mismatch["prompt_id"] == "mtbench:1" and mismatch["first_difference"] == 8 and mismatch["concurrency"] == 1
+    assert "mtbench:1" in benchmark.mismatch_message("vllm", greedy["mismatches"])
+
+
+def test_missing_inputs_are_refused_before_any_engine_starts(tmp_path: Path) -> None:
+    cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "benchmark": {"engines": ["vllm"]}})
+    with pytest.raises(FileNotFoundError, match="run the target stage"):
+        benchmark.run(cfg)
+    skipped = benchmark.run(RunConfig.model_validate({"output_dir": str(tmp_path)}))
+    assert skipped.report["skipped"].startswith("benchmark.engines is empty") and skipped.summary()["passed"] == 1.0
+
+
+def canned_variant(cfg: RunConfig, kind: str, variant: str, requests: list[ChatRequest], sampling: Sampling,
+                   draft: Path | None, steps: int) -> benchmark.VariantRun:
+    """What measure_variant returns, without an engine: the drafter changes the text of prompt s:2."""
+    run = benchmark.VariantRun(variant=variant, report={"command": [], "log": "", "startup_s": 1.0,
+                                                        "peak_rss_mib": 100.0, "levels": []})
+    for concurrency in cfg.benchmark.concurrency:
+        results = []
+        for chat in requests:
+            text = "changed" if draft is not None and chat.prompt_id == "s:2#turn1" else f"answer to {chat.prompt_id}"
+            results.append(RequestResult(index=chat.index, prompt_id=chat.prompt_id, text=text, output_tokens=4,
+                                         content_chunks=4, ttft_s=0.1, latency_s=0.4, itl_s=[0.1] * 3))
+        level = {"concurrency": concurrency, **summarize_level(results, wall_s=1.0 if draft else 2.0)}
+        if draft is not None:
+            window = {"drafts": 4.0, "draft_tokens": 12.0, "accepted": 6.0, "accepted_per_position": [3.0, 2.0, 1.0]}
+            level["speculative"] = {"window": window, **benchmark.acceptance(kind, window)}
+        run.report["levels"].append(level)
+        run.results[concurrency] = results
+    if draft is not None:
+        run.report["speculative"] = benchmark.overall_acceptance(kind, run.report["levels"])
+    return run
+
+
+def test_a_failed_check_writes_the_report_then_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for directory in ("target", "draft/vllm", "data"):
+        (tmp_path / directory).mkdir(parents=True)
+    records = [prompt_record(f"s:{i}", [{"role": "user", "content": f"question {i}"},
+                                        {"role": "assistant", "content": f"answer {i}"}]) for i in (1, 2)]
+    (tmp_path / "data" / "eval.jsonl").write_text("".join(record.model_dump_json() + "\n" for record in records))
+    cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "tracking": {"enabled": False},
+                                    "benchmark": {"engines": ["vllm"], "concurrency": [1, 2], "num_requests": 3}})
+    monkeypatch.setattr(benchmark, "measure_variant", canned_variant)
+    with pytest.raises(benchmark.BenchmarkFailed, match=r"prompts s:2#turn1 .*\nreport: .*report.json") as failure:
+        benchmark.run(cfg)
+    report = json.loads((tmp_path / "benchmark" / "report.json").read_text())
+    assert not report["passed"] and len(report["failures"]) == 1
+    greedy = report["engines"]["vllm"]["greedy"]
+    assert greedy["compared"] == 6 and [m["request"] for m in greedy["mismatches"]] == [1, 1]
+    assert report["engines"]["vllm"]["speedup"] == [{"concurrency": 1, "output_tokens_per_s": 2.0},
+                                                  {"concurrency": 2, "output_tokens_per_s": 2.0}]
+    summary = failure.value.result.summary()
+    assert summary["passed"] == 0.0 and summary["vllm_greedy_mismatches"] == 2.0
+    assert summary["vllm_mean_accept_length"] == 2.5 and summary["vllm_acceptance_rate_pos2"] == 0.25
+    assert (tmp_path / "benchmark" / "serving.png").is_file()
+    assert len((tmp_path / "benchmark" / "requests.jsonl").read_text().splitlines()) == 2 * 2 * 3
+
+
+# --- the real vLLM CPU build ----------------------------------------------------------------------------
+
+
+def whole_word_target(source: Path, destination: Path) -> Path:
+    """The peaked tiny target that only ever emits whole-word tokens (' fox', ' the').
+
+    The random target otherwise emits byte fragments that decode to U+FFFD, so its greedy text does not
+    tokenize back to what it generated and a drafter trained on that text never sees the engine's tokens.
+    A word after a space is its own pre-token, so text made of these tokens tokenizes back to the same ids.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training_run import peaked_target
+
+    peaked_target(source, destination)
+    tokenizer = AutoTokenizer.from_pretrained(destination)
+    model = AutoModelForCausalLM.from_pretrained(destination, dtype=torch.float32)
+    words = [token for token in range(len(tokenizer)) if is_whole_word(tokenizer, token)]
+    keep = torch.zeros(len(tokenizer), dtype=torch.bool)
+    keep[words] = True
+    with torch.no_grad():
+        model.lm_head.weight[~keep] = 0.0  # logit 0 loses to the x20 logits of the words
+    model.save_pretrained(destination)
+    return destination
+
+
+def is_whole_word(tokenizer: Any, token: int) -> bool:
+    text = tokenizer.decode([token])
+    return bool(re.fullmatch(r" [A-Za-z]+", text)) and tokenizer.encode(text, add_special_tokens=False) == [token]
+
+
+def greedy_answers(model_dir: Path, questions: list[str], max_new_tokens: int) -> list[str]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    answers = []
+    for question in questions:
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            output = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.eos_token_id)
+        answers.append(tokenizer.decode(output[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True))
+    return answers
+
+
+@pytest.fixture(scope="module")
+def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -> RunConfig:
+    """target, data, capture and train on the tiny target; the drafter learns the target's own greedy text.
+
+    The eval prompts are the training prompts: the engine then generates exactly what the drafter was
+    trained on, so its drafts are accepted (the point here is serving, not generalisation).
+    """
+    from tasks import capture, target, train
+    from training_run import QUESTIONS, record
+
+    root = tmp_path_factory.mktemp("benchmark")
+    model_dir = whole_word_target(tiny_target_dir, root / "word-target")
+    cfg = RunConfig.model_validate({
+        "output_dir": str(root / "run"), "model": {"source": "local", "path": str(model_dir)},
+        "capture": {"aux_layer_ids": [1, 2, 3], "dtype": "float32", "draft_vocab_size": 128},
+        "training": {"ttt_length": 3, "learning_rate": 3e-3, "tokens_per_step": 64, "epochs": 8, "warmup_ratio": 0.1,
+                     "save_interval": 1000, "eval_interval": 1000},
+        "evaluation": {"steps": 3},
+        "benchmark": {"engines": ["vllm"], "concurrency": [1, 2], "num_requests": 4, "max_tokens": 16},
+        "runtime": {"engines": {"vllm": {"python": str(VLLM_PYTHON), "port": free_port(),
+                                         "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}},
+        "tracking": {"enabled": False},
+    })
+    target.run(cfg)
+    questions = [question for question, _ in QUESTIONS]
+    answers = greedy_answers(cfg.output_path / "target", questions, max_new_tokens=24)
+    rows = [record(index, question, answer) for index, (question, answer) in enumerate(zip(questions, answers))]
+    data = cfg.output_path / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (data / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    capture.run(cfg)
+    train.run(cfg)
+    return cfg
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_drafter_faithfully_and_the_report_says_so(drafted_run: RunConfig) -> None:
+    if not VLLM_PYTHON.is_file():
+        pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
+    cfg = drafted_run
+    # Stand-in for the evaluate stage: the trainer's teacher-forced estimate on the same eval records.
+    trained = json.loads((cfg.output_path / "train" / "summary.json").read_text())
+    offline = trained["eval_simulated_accept_len"] + 1.0
+    (cfg.output_path / "evaluate").mkdir(exist_ok=True)
+    (cfg.output_path / "evaluate" / "acceptance.json").write_text(
+        json.dumps({"chain": {"steps": 3, "mean_accept_length": offline}}))
+    result = benchmark.run(cfg)
+
+    report = json.loads(result.report_path.read_text())
+    assert report == json.loads(json.dumps(result.report)) and report["passed"] and report["failures"] == []
+    assert report["settings"]["num_speculative_tokens"] == 3 and report["settings"]["distinct_prompts"] == 4
+    vllm = report["engines"]["vllm"]
+    for variant in benchmark.VARIANTS:
+        run = vllm[variant]
+        assert [level["concurrency"] for level in run["levels"]] == [1, 2]
+        assert run["peak_rss_mib"] > 100 and run["startup_s"] > 0 and Path(run["log"]).is_file()
+        for level in run["levels"]:
+            assert level["completed"] == 4 and level["output_tokens"] > 4 and level["output_tokens_per_s"] > 0
+            for name in ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms"):
+                assert set(level[name]) == {"mean", "p50", "p90", "p99"} and level[name]["p50"] > 0
+    assert "--speculative-config" in vllm["eagle3"]["command"]
+    assert "--speculative-config" not in vllm["baseline"]["command"]
+
+    speculative = vllm["eagle3"]["speculative"]
+    assert speculative["window"]["drafts"] > 0, "the engine drafted"
+    assert speculative["window"]["draft_tokens"] == 3 * speculative["window"]["drafts"]
+    assert len(speculative["acceptance_rate_per_position"]) == 3
+    assert speculative["mean_accept_length"] > 1.5, "drafts from the trained layers are accepted"
+    assert vllm["greedy"] == {"status": "ok", "compared": 8, "mismatches": []}
+    assert [row["concurrency"] for row in vllm["speedup"]] == [1, 2]
+    check = vllm["acceptance_check"]
+    assert check["status"] == "ok", "aux layers as trained: vLLM reads the export's ids as (layer + 1)"
+    assert check["offline_mean_accept_length"] == offline and check["relative_gap"] <= 0.15
+
+    summary = result.summary()
+    assert summary["vllm_mean_accept_length"] == speculative["mean_accept_length"]
+    assert {"vllm_c1_speedup", "vllm_c2_eagle3_tpot_p50_ms", "vllm_acceptance_rate_pos0"} <= set(summary)
+    assert result.plot_path.is_file() and result.plot_path.stat().st_size > 0
+    rows = [json.loads(line) for line in result.requests_path.read_text().splitlines()]
+    assert len(rows) == 2 * 2 * 4 and all(row["error"] is None for row in rows)
+    print(f"\nengine accept length {speculative['mean_accept_length']:.2f}, offline {offline:.2f}; "
+          f"speedup {vllm['speedup']}")
