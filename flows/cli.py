@@ -3,6 +3,7 @@
     eaglet config show --config params.yaml training.learning_rate=3e-4
     eaglet config validate --config configs/llama31-8b-sglang.yaml
     eaglet stage target --config params.yaml          # one stage, no Prefect (what dvc.yaml calls)
+    eaglet train --config params.yaml --resume         # the same, by the stage's own name
     eaglet run --config params.yaml                    # the Prefect flow over every stage
 """
 
@@ -19,6 +20,7 @@ from rich.table import Table
 
 from contract.config import RunConfig
 from contract.config_loading import ConfigError, config_as_yaml, load_config
+from flows.stages import STAGE_ORDER
 
 for variable, value in (("PREFECT_SERVER_ANALYTICS_ENABLED", "false"), ("GX_ANALYTICS_ENABLED", "false"),
                         ("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
@@ -79,6 +81,26 @@ def stage(
         console.print(f"[red]stage {name} failed[/red]: {error}", markup=True, highlight=False)
         raise typer.Exit(code=1) from None
     print_summaries({name: result.summary()})
+
+
+@app.command("train")
+def train_command(
+    config: Optional[Path] = ConfigOption,
+    overrides: Optional[list[str]] = OverridesArgument,
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint (training.resume_from=latest)."),
+) -> None:
+    """Train the drafter (torchrun when deployment.trainer.nproc_per_node > 1)."""
+    stage("train", config, [*(overrides or []), *(["training.resume_from=latest"] if resume else [])])
+
+
+def stage_command(name: str) -> None:
+    """`eaglet NAME`: the stage NAME by its own name (same as `eaglet stage NAME`)."""
+
+    def command(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument) -> None:
+        stage(name, config, overrides)
+
+    command.__doc__ = f"Run the {name} stage (same as `eaglet stage {name}`)."
+    app.command(name)(command)
 
 
 def stage_errors() -> tuple[type[Exception], ...]:
@@ -179,6 +201,10 @@ def print_summaries(summaries: dict[str, dict[str, float]]) -> None:
         table.add_row(name, ", ".join(f"{key}={value:g}" for key, value in summary.items()))
     console.print(table)
 
+
+for stage_name in STAGE_ORDER:
+    if stage_name != "train":  # train has its own command (--resume)
+        stage_command(stage_name)
 
 if __name__ == "__main__":
     app()

@@ -170,3 +170,19 @@ def test_capture_stage_writes_no_shards_for_online_training(base_run, tmp_path: 
     assert result.manifest["splits"]["train"]["records"] == len(FeatureSet(base_run.output_path / "features", "train"))
     assert (cfg.output_path / "vocab" / "vocab_mapping.safetensors").is_file()
     assert result.report.ok + result.report.error + result.report.skipped == result.report.input
+
+
+def test_eaglet_train_resume_continues_a_halted_run(base_run, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    cfg = fresh(base_run, tmp_path, "cli", max_steps=6, halt_after=3)
+    config = tmp_path / "cli.yaml"
+    config.write_text(json.dumps(cfg.model_dump(mode="json")))
+    halted = CliRunner().invoke(app, ["train", "--config", str(config)])
+    assert halted.exit_code == 0, halted.output
+    assert len(losses(cfg)) == 3
+    finished = CliRunner().invoke(app, ["train", "--config", str(config), "--resume", "training.halt_after=null"])
+    assert finished.exit_code == 0, finished.output
+    assert sorted(losses(cfg)) == [1, 2, 3, 4, 5, 6]
