@@ -437,7 +437,7 @@ def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path)
         "capture": {"aux_layer_ids": [1, 2, 3], "dtype": "float32", "draft_vocab_size": 128},
         "training": {"ttt_length": 3, "learning_rate": 3e-3, "tokens_per_step": 64, "epochs": 8, "warmup_ratio": 0.1,
                      "save_interval": 1000, "eval_interval": 1000},
-        "evaluation": {"steps": 3},
+        "evaluation": {"steps": 3, "max_new_tokens": 16},
         "benchmark": {"engines": ["vllm"], "concurrency": [1, 2], "num_requests": 4, "max_tokens": 16},
         "runtime": {"engines": {"vllm": {"python": str(VLLM_PYTHON), "port": free_port(),
                                          "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}},
@@ -461,12 +461,9 @@ def test_vllm_serves_the_drafter_faithfully_and_the_report_says_so(drafted_run: 
     if not VLLM_PYTHON.is_file():
         pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
     cfg = drafted_run
-    # Stand-in for the evaluate stage: the trainer's teacher-forced estimate on the same eval records.
-    trained = json.loads((cfg.output_path / "train" / "summary.json").read_text())
-    offline = trained["eval_simulated_accept_len"] + 1.0
-    (cfg.output_path / "evaluate").mkdir(exist_ok=True)
-    (cfg.output_path / "evaluate" / "acceptance.json").write_text(
-        json.dumps({"chain": {"steps": 3, "mean_accept_length": offline}}))
+    from tasks import evaluate
+
+    offline = evaluate.run(cfg).report["chain"]["mean_accept_length"]  # our reference decoder, same prompts
     result = benchmark.run(cfg)
 
     report = json.loads(result.report_path.read_text())
