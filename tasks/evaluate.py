@@ -301,6 +301,7 @@ def plot_acceptance(report: dict[str, Any], directory: Path) -> list[Path]:
     for offset, name in enumerate(modes):
         rates = report[name]["acceptance_by_depth"]
         axis.bar([depth + 0.4 * offset - 0.2 for depth in range(1, len(rates) + 1)], rates, width=0.4, label=name)
+    axis.set_xticks(range(1, max(len(report[name]["acceptance_by_depth"]) for name in modes) + 1))
     axis.set_xlabel("draft depth d")
     axis.set_ylabel("share of rounds accepting >= d")
     axis.set_ylim(0, 1)
@@ -313,6 +314,7 @@ def plot_acceptance(report: dict[str, Any], directory: Path) -> list[Path]:
         lengths = [int(length) for length in histogram]
         axis.bar([length + 0.4 * offset - 0.2 for length in lengths], list(histogram.values()), width=0.4,
                  label=f"{name} (mean {report[name]['mean_accept_length']:.2f})")
+    axis.set_xticks([int(length) for length in report[modes[0]]["accept_length_histogram"]])
     axis.set_xlabel("accepted length per round (drafts + bonus)")
     axis.set_ylabel("rounds")
     axis.legend()

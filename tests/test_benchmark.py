@@ -500,3 +500,39 @@ def test_vllm_serves_the_drafter_faithfully_and_the_report_says_so(drafted_run: 
     assert len(rows) == 2 * 2 * 4 and all(row["error"] is None for row in rows)
     print(f"\nengine accept length {speculative['mean_accept_length']:.2f}, offline {offline:.2f}; "
           f"speedup {vllm['speedup']}")
+
+
+SGLANG_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
+
+
+def sglang_can_serve() -> bool:
+    """SGLang serves on CUDA GPUs only (DESIGN §6): a GPU and an SGLang environment with its server."""
+    import subprocess
+
+    import torch
+
+    if not torch.cuda.is_available() or not SGLANG_PYTHON.is_file():
+        return False
+    probe = subprocess.run([str(SGLANG_PYTHON), "-c", "import sglang.launch_server"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sglang_can_serve(), reason="SGLang serves only on a GPU host with .venv-sglang")
+def test_sglang_serves_the_drafter_faithfully_on_a_gpu(drafted_run: RunConfig) -> None:
+    from tasks import evaluate
+
+    from contract.config import EngineConfig
+
+    engines = {**drafted_run.runtime.engines, "sglang": EngineConfig(python=str(SGLANG_PYTHON), port=free_port())}
+    cfg = drafted_run.model_copy(update={
+        "benchmark": drafted_run.benchmark.model_copy(update={"engines": ["sglang"]}),
+        "runtime": drafted_run.runtime.model_copy(update={"engines": engines}),
+    })
+    offline = evaluate.run(cfg).report["chain"]["mean_accept_length"]
+    report = benchmark.run(cfg).report
+    sglang = report["engines"]["sglang"]
+    assert report["passed"] and "--speculative-algorithm" in sglang["eagle3"]["command"]
+    assert sglang["greedy"]["status"] == "ok" and sglang["greedy"]["mismatches"] == []
+    assert sglang["eagle3"]["speculative"]["mean_accept_length"] > 1.5
+    assert sglang["acceptance_check"]["status"] == "ok" and sglang["acceptance_check"]["offline_mean_accept_length"] == offline
