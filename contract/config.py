@@ -208,10 +208,17 @@ class TrackingConfig(Section):
 
 
 class RegistryConfig(Section):
+    """The MLflow registered model and the promotion gates of the register stage (tasks/registry_gates.py)."""
+
     model_name: str = "eaglet-draft"
-    min_accept_length: float = Field(default=1.0, ge=0.0)
-    min_speedup: float = Field(default=1.0, ge=0.0)
-    engine_tolerance: float = Field(default=0.15, ge=0.0)
+    min_accept_length: float = Field(default=1.0, ge=0.0, description="offline chain mean accept length floor")
+    min_speedup: float = Field(default=1.0, ge=0.0, description="engine output tok/s with / without the drafter")
+    engine_tolerance: float = Field(default=0.15, ge=0.0, description="relative gap, engine vs offline accept length")
+    max_regression: float = Field(
+        default=0.02, ge=0.0, le=1.0,
+        description="allowed relative drop of the offline accept length vs the champion on the same eval set")
+    speedup_concurrency: Optional[int] = Field(
+        default=None, ge=1, description="the benchmark concurrency level the speedup gate reads (None: the lowest)")
 
 
 class TrainerDeployment(Section):

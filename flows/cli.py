@@ -5,6 +5,9 @@
     eaglet stage target --config params.yaml          # one stage, no Prefect (what dvc.yaml calls)
     eaglet train --config params.yaml --resume         # the same, by the stage's own name
     eaglet run --config params.yaml                    # the Prefect flow over every stage
+    eaglet registry show --config params.yaml          # versions, aliases, gates
+    eaglet promote --version 3 --config params.yaml    # [--force --reason "..."]
+    eaglet doctor artifacts/embedded-default/draft/sglang --target artifacts/embedded-default/target
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from rich.table import Table
 
 from contract.config import RunConfig
 from contract.config_loading import ConfigError, config_as_yaml, load_config
+from flows.registry_cli import add_registry_commands
 from flows.stages import STAGE_ORDER
 
 for variable, value in (("PREFECT_SERVER_ANALYTICS_ENABLED", "false"), ("GX_ANALYTICS_ENABLED", "false"),
@@ -29,6 +33,7 @@ for variable, value in (("PREFECT_SERVER_ANALYTICS_ENABLED", "false"), ("GX_ANAL
 app = typer.Typer(help="eaglet: build, validate and ship EAGLE3 draft models.", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect and check run configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+add_registry_commands(app)
 console = Console()
 
 ConfigOption = typer.Option(None, "--config", "-c", help="Run config YAML (defaults when omitted).")
@@ -132,7 +137,7 @@ def run(
     print_summaries(summaries)
     console.print(f"artifacts: {cfg.output_path.resolve()}")
     if cfg.tracking.enabled:
-        from flows.tracking import tracking_uri
+        from tasks.mlflow_store import tracking_uri
 
         console.print(f"MLflow UI: mlflow ui --backend-store-uri {tracking_uri(cfg)}")
 

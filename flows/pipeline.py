@@ -1,35 +1,114 @@
-"""The Prefect flow `eaglet-pipeline`: the stages in order, each a Prefect task, tracked in MLflow."""
+"""The Prefect flow `eaglet-pipeline`: the stages in order, each a Prefect task, tracked in MLflow.
+
+Each stage's result is persisted under `<output_dir>/.prefect-results` and cached on the stage's inputs as
+dvc.yaml lists them (flows/stage_cache.py), so a rerun skips every stage whose inputs and outputs are
+unchanged (its task run ends in state "Cached") and DVC would agree it is up to date. Only failures a retry
+can cure are retried: an engine that did not start, an HTTP server that refused or did not answer. A
+failure stops the flow with an error naming the stage; what the stages before it wrote stays on disk.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
+import httpx
 from prefect import flow, task
-from prefect.cache_policies import NONE
+from prefect.cache_policies import CachePolicy
+from prefect.client.schemas.objects import TaskRun
+from prefect.context import TaskRunContext
+from prefect.states import State
 
 from contract.config import RunConfig
 from contract.config_loading import load_config
-from flows.stages import select_stages, stage_function
+from flows.stage_cache import outputs_unchanged, record_outputs, results_dir, stage_cache_key
+from flows.stages import StageResult, select_stages, stage_function
 from flows.tracking import tracked_run
+from tasks.engine import EngineStartError
+from tasks.generation_openai import RETRYABLE_STATUS
+
+#: Attempts after the first, and the pause before each: time for a port or GPU memory to be released.
+STAGE_RETRIES = 2
+RETRY_DELAYS_S = [5, 30]
 
 
-def stage_task(name: str) -> Any:
-    """The Prefect task that runs one stage (no result caching yet: stages skip their own up-to-date work)."""
-    return task(stage_function(name), name=name, cache_policy=NONE)
+class StageFailed(RuntimeError):
+    """A stage of the pipeline failed; the message names it and carries the stage's own error."""
+
+    def __init__(self, stage: str, error: BaseException) -> None:
+        super().__init__(f"stage {stage} failed: {type(error).__name__}: {error}")
+        self.stage = stage
+
+
+@dataclass
+class StageInputs(CachePolicy):
+    """Prefect cache key of a stage: its dvc.yaml deps by content and its params by value."""
+
+    stage: str = ""
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> Optional[str]:
+        return stage_cache_key(self.stage, inputs["cfg"])
+
+
+def is_transient(error: object) -> bool:
+    """An engine that did not start, or an HTTP failure other than a 4xx saying the request itself is wrong."""
+    if isinstance(error, httpx.HTTPStatusError):
+        status = error.response.status_code
+        return status >= 500 or status in RETRYABLE_STATUS
+    return isinstance(error, (EngineStartError, httpx.TransportError))
+
+
+def retry_transient_only(task: Any, task_run: TaskRun, state: State) -> bool:
+    """Retry an engine start or HTTP failure; a deterministic one (e.g. a broken data contract) fails at once."""
+    return is_transient(state.result(raise_on_failure=False))
+
+
+def stage_task(name: str, cfg: RunConfig, use_cache: bool = True) -> Any:
+    """The Prefect task of one stage: cached on its inputs unless its outputs changed or caching is off."""
+    reuse = use_cache and outputs_unchanged(name, cfg)
+    return task(
+        stage_function(name),
+        name=name,
+        cache_policy=StageInputs(stage=name),
+        refresh_cache=not reuse,
+        persist_result=True,
+        result_storage=results_dir(cfg),
+        retries=STAGE_RETRIES,
+        retry_delay_seconds=RETRY_DELAYS_S,
+        retry_condition_fn=retry_transient_only,
+    )
+
+
+def run_stage(name: str, cfg: RunConfig, use_cache: bool = True) -> StageResult:
+    """Run (or reuse) one stage; raise StageFailed naming it when it fails."""
+    state = stage_task(name, cfg, use_cache)(cfg, return_state=True)
+    if not state.is_completed():
+        error = state.result(raise_on_failure=False)
+        if not isinstance(error, BaseException):
+            error = RuntimeError(state.message or state.name)
+        raise StageFailed(name, error) from error
+    record_outputs(name, cfg)
+    return state.result()
 
 
 @flow(name="eaglet-pipeline", log_prints=True)
-def pipeline(config_path: str | None = None, overrides: list[str] | None = None, stages: list[str] | None = None) -> dict[str, dict[str, float]]:
-    """Run the selected stages (all by default) of the run config; returns each stage's summary."""
+def pipeline(config_path: str | None = None, overrides: list[str] | None = None, stages: list[str] | None = None,
+             use_cache: bool = True) -> dict[str, dict[str, float]]:
+    """Run the selected stages (all by default) of the run config; returns each stage's summary.
+
+    `use_cache=False` runs every selected stage even when its inputs are unchanged (results are still stored,
+    so the next cached run can reuse them).
+    """
     cfg = load_config(config_path, overrides or [])
-    return run_stages(cfg, select_stages(stages))
+    return run_stages(cfg, select_stages(stages), use_cache)
 
 
-def run_stages(cfg: RunConfig, names: list[str]) -> dict[str, dict[str, float]]:
+def run_stages(cfg: RunConfig, names: list[str], use_cache: bool = True) -> dict[str, dict[str, float]]:
     summaries: dict[str, dict[str, float]] = {}
     with tracked_run(cfg, run_name=cfg.run_id, tags={"eaglet.kind": "pipeline"}) as tracker:
         for name in names:
-            result = stage_task(name)(cfg)
+            result = run_stage(name, cfg, use_cache)
             tracker.log_stage(name, result)
             summaries[name] = result.summary()
     return summaries

@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol
 from contract.config import RunConfig
 
 STAGE_ORDER: tuple[str, ...] = ("target", "ingest", "regenerate", "validate", "capture", "train", "evaluate",
-                                  "benchmark")
+                                  "benchmark", "register")
 
 
 class StageResult(Protocol):

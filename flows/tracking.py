@@ -13,14 +13,7 @@ from typing import Iterator, Optional
 from contract.config import RunConfig
 from contract.config_loading import config_as_yaml, flatten_config
 from flows.stages import StageResult
-
-
-def tracking_uri(cfg: RunConfig) -> str:
-    if cfg.tracking.tracking_uri:
-        return cfg.tracking.tracking_uri
-    database = (cfg.output_path / "mlflow.db").resolve()
-    database.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{database}"
+from tasks.mlflow_store import ensure_experiment, tracking_uri
 
 
 class Tracker:
@@ -55,7 +48,7 @@ def tracked_run(cfg: RunConfig, run_name: str, tags: dict[str, str] | None = Non
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri(cfg))
-    mlflow.set_experiment(cfg.tracking.experiment)
+    ensure_experiment(tracking_uri(cfg), cfg.tracking.experiment)
     with mlflow.start_run(run_name=run_name, tags={"eaglet.run_id": cfg.run_id, **(tags or {})}):
         mlflow.log_params(flatten_config(cfg))
         mlflow.log_text(config_as_yaml(cfg), "config/run.yaml")

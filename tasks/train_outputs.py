@@ -76,12 +76,12 @@ class training_tracker:
             return None
         import mlflow
 
-        from flows.tracking import tracking_uri
+        from tasks.mlflow_store import ensure_experiment, tracking_uri
 
         active = mlflow.active_run()
         if active is None:
             mlflow.set_tracking_uri(tracking_uri(self.cfg))
-            mlflow.set_experiment(self.cfg.tracking.experiment)
+            ensure_experiment(tracking_uri(self.cfg), self.cfg.tracking.experiment)
         tags = {"eaglet.run_id": self.cfg.run_id, "eaglet.stage": "train"}
         parent = os.environ.get("EAGLET_PARENT_RUN_ID")
         if parent:

@@ -56,7 +56,7 @@ def test_dvc_repro_runs_the_stages(tmp_path: Path, tiny_target_dir: Path) -> Non
     assert (report["input"], report["ok"], report["error"]) == (84, 6, 1)
     assert (repo / "artifacts/tiny/target/model.safetensors").is_file()
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"target", "ingest", "regenerate", "validate", "capture", "train", "evaluate", "benchmark"}
+    assert set(lock["stages"]) == {"target", "ingest", "regenerate", "validate", "capture", "train", "evaluate", "benchmark", "register"}
     assert (repo / "artifacts/tiny/draft/vllm/config.json").is_file()
     assert (repo / "artifacts/tiny/features/manifest.json").is_file()
     contract = json.loads((repo / "artifacts/tiny/reports/data_contract.json").read_text())

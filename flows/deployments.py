@@ -1,0 +1,108 @@
+"""Scheduled runs of the `eaglet-pipeline` flow: served by this process, or registered with a work pool.
+
+    eaglet deploy --config params.yaml --cron "0 3 * * 0"                     # serve (blocks; Ctrl-C stops)
+    eaglet deploy --config params.yaml --cron "0 3 * * 0" --work-pool gpu     # register; the pool's workers run it
+
+Both need a Prefect API: locally `prefect server start --host 127.0.0.1` and
+`PREFECT_API_URL=http://127.0.0.1:4200/api` (with PREFECT_SERVER_ANALYTICS_ENABLED=false).
+The deployment is named `deployment.name` of the run config; the cron comes from `--cron` or
+`deployment.cron`, the pool from `--work-pool` or `deployment.work_pool`. Its parameters are the absolute
+config path, the overrides and the stages, so every scheduled run resolves the same config.
+
+Serve: the `eaglet deploy` process polls the API and runs each scheduled run in a subprocess; it must stay up.
+
+Work pool (a cluster): the flow is registered by module path (`flows.pipeline:pipeline`), so no image or code
+upload is needed when eaglet is installed on the worker nodes (`pip install -e .` of the same revision):
+
+    prefect work-pool create gpu --type process                # once
+    prefect worker start --pool gpu                            # on each GPU node, in eaglet's venv
+    eaglet deploy --config /shared/params.yaml --cron "0 3 * * 0" --work-pool gpu
+
+The same deployment as a `prefect.yaml` for `prefect deploy --all` (run from the repository root; the
+workers find the code in the same checkout, e.g. on a shared filesystem):
+
+    pull:
+      - prefect.deployments.steps.set_working_directory: {directory: /shared/eaglet}
+    deployments:
+      - name: eaglet-scheduled
+        entrypoint: flows/pipeline.py:pipeline
+        work_pool: {name: gpu}
+        schedules: [{cron: "0 3 * * 0", timezone: UTC}]
+        parameters: {config_path: /shared/params.yaml, overrides: [], stages: null}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+from uuid import UUID
+
+import typer
+
+from contract.config import RunConfig
+
+
+def deployment_parameters(config_path: Optional[Path], overrides: list[str], stages: Optional[list[str]]) -> dict[str, Any]:
+    """The flow's parameters for every scheduled run; the config path is absolute (runs start elsewhere)."""
+    return {
+        "config_path": str(config_path.resolve()) if config_path is not None else None,
+        "overrides": list(overrides),
+        "stages": stages,
+    }
+
+
+def serve_pipeline(cfg: RunConfig, cron: str, parameters: dict[str, Any]) -> None:
+    """Create the deployment with its cron schedule and run its flow runs from this process until stopped."""
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.pipeline import pipeline
+
+    pipeline.serve(name=cfg.deployment.name, cron=cron, parameters=parameters,
+                   entrypoint_type=EntrypointType.MODULE_PATH)
+
+
+def deploy_to_work_pool(cfg: RunConfig, cron: str, parameters: dict[str, Any], work_pool: str) -> UUID:
+    """Register the deployment with `work_pool`; its workers import the flow from their installed eaglet."""
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.pipeline import pipeline
+
+    return pipeline.deploy(name=cfg.deployment.name, work_pool_name=work_pool, cron=cron, parameters=parameters,
+                           entrypoint_type=EntrypointType.MODULE_PATH, build=False, push=False,
+                           print_next_steps=False)
+
+
+def add_deploy_command(app: typer.Typer) -> None:
+    """Add `eaglet deploy` to the CLI (kept here so flows/cli.py only wires it in)."""
+    from flows.cli import ConfigOption, OverridesArgument
+
+    @app.command("deploy")
+    def deploy(
+        config: Optional[Path] = ConfigOption,
+        overrides: Optional[list[str]] = OverridesArgument,
+        cron: Optional[str] = typer.Option(None, "--cron", help="Cron schedule, e.g. '0 3 * * 0' (default: deployment.cron)."),
+        work_pool: Optional[str] = typer.Option(None, "--work-pool", help="Register with this work pool instead of serving (default: deployment.work_pool)."),
+        stages: Optional[str] = typer.Option(None, "--stages", help="Comma-separated subset of stages for every run."),
+    ) -> None:
+        """Schedule the pipeline: serve it from this process, or register it with a work pool."""
+        from flows.cli import console, load_or_exit
+        from flows.stages import select_stages
+
+        cfg = load_or_exit(config, overrides)
+        schedule = cron or cfg.deployment.cron
+        if not schedule:
+            console.print("[red]no schedule[/red]: pass --cron or set deployment.cron in the config")
+            raise typer.Exit(code=2)
+        try:
+            selected = select_stages(stages.split(",")) if stages else None
+        except KeyError as error:
+            console.print(f"[red]{error.args[0]}[/red]")
+            raise typer.Exit(code=2) from None
+        parameters = deployment_parameters(config, overrides or [], selected)
+        pool = work_pool or cfg.deployment.work_pool
+        if pool:
+            deployment_id = deploy_to_work_pool(cfg, schedule, parameters, pool)
+            console.print(f"deployment {cfg.deployment.name} ({deployment_id}) on work pool {pool}, cron {schedule!r}")
+            return
+        console.print(f"serving deployment eaglet-pipeline/{cfg.deployment.name}, cron {schedule!r} (Ctrl-C stops)")
+        serve_pipeline(cfg, schedule, parameters)

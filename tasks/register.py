@@ -1,0 +1,558 @@
+"""register stage: the exported drafter becomes an MLflow model version, promoted only through the gates.
+
+Reads the exports `draft/sglang` and `draft/vllm` (checked against `target.json` first, as `eaglet doctor`
+does), `evaluate/acceptance.json`, and when they exist `benchmark/report.json`, `reports/data_contract.json`
+and the Data Docs `reports/data_docs/index.html`. Missing exports or evaluation fail the stage naming the
+file and the stage to run; a failed gate does not: the version is registered and keeps alias `candidate`.
+
+MLflow 3 (DESIGN §7): the checkpoint folder is a logged model (`initialize_logged_model`, the two engine
+folders, `contract.json` and the reports as its artifacts, `finalize_logged_model`), registered under
+`registry.model_name` with the full contract (DESIGN §5) as version tags, plus the eval-set fingerprint,
+the git commit and the hash of dvc.lock's upstream stages. Aliases, never stages: every new version gets
+`candidate`; one whose gates pass (tasks/registry_gates.py) becomes `champion` and the champion it replaces
+keeps `previous`. Runs inside the pipeline's MLflow run when there is one, else in its own. With
+`tracking.enabled: false` (CI-size runs) there is no store: the gates are evaluated and reported, nothing
+is registered.
+
+Writes `register/registration.json` (version, aliases, each gate with its measured value and threshold).
+
+    .venv/bin/eaglet stage register --config params.yaml
+    .venv/bin/eaglet registry show --config params.yaml
+    .venv/bin/eaglet promote --version 3 --config params.yaml [--force --reason "..."]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from contract.checkpoint import CheckpointContract, ContractMismatch
+from contract.config import RunConfig
+from contract.hashing import hash_files, hash_text
+from tasks.artifacts import atomic_directory, read_json, write_json
+from tasks.registry_gates import (Champion, Check, Gate, GateInputs, checkpoint_checks, evaluate_gates, gates_passed,
+                                  offline_accept_length)
+
+# The export layout of models/draft_checkpoint.py, named here so the registry commands need not import torch.
+ENGINES = ("sglang", "vllm")
+EXPORT_FILES = ("config.json", "model.safetensors", "contract.json")
+ACCEPTANCE_REPORT = Path("evaluate") / "acceptance.json"
+SERVING_REPORT = Path("benchmark") / "report.json"
+DATA_CONTRACT_REPORT = Path("reports") / "data_contract.json"
+DATA_DOCS_INDEX = Path("reports") / "data_docs" / "index.html"
+REGISTRATION_REPORT = Path("register") / "registration.json"
+STAGE = "register"
+
+CANDIDATE, CHAMPION, PREVIOUS = "candidate", "champion", "previous"
+TAG_GATES_PASSED = "eaglet.gates_passed"
+TAG_GATES = "eaglet.gates"
+TAG_FAILED_GATES = "eaglet.failed_gates"
+TAG_EVAL_FINGERPRINT = "eaglet.eval_fingerprint"
+TAG_ACCEPT_LENGTH = "eaglet.offline_accept_length"
+TAG_SPEEDUP = "eaglet.speedup"
+TAG_TARGET_REVISION = "contract.target_revision"
+CONTRACT_TAG_PREFIX = "contract."
+
+
+@dataclass
+class RegisterInputs:
+    """What the stage registers: the exports, their contract and target, and the reports (None: absent)."""
+
+    exports: dict[str, Path]
+    contract: CheckpointContract
+    target_info: dict[str, Any]
+    acceptance: dict[str, Any]
+    serving: Optional[dict[str, Any]]
+    data_contract: Optional[dict[str, Any]]
+    report_paths: dict[str, Optional[Path]]
+
+
+@dataclass
+class RegisterResult:
+    registration_path: Path
+    registration: dict[str, Any]
+
+    def summary(self) -> dict[str, float]:
+        """Numbers for MLflow: which version (when registered), whether it passed, whether it is champion now."""
+        registration = self.registration
+        numbers = {
+            "registered": float(registration["version"] is not None),
+            "gates_passed": float(registration["gates_passed"]),
+            "gates_failed": float(sum(gate["status"] == "failed" for gate in registration["gates"])),
+            "champion": float(CHAMPION in registration["aliases"]),
+            "offline_accept_length": float(registration["offline_accept_length"] or 0.0),
+        }
+        if registration["version"] is not None:
+            numbers["version"] = float(registration["version"])
+        return numbers
+
+    def reports(self) -> list[Path]:
+        return [self.registration_path]
+
+
+def run(cfg: RunConfig) -> RegisterResult:
+    """Register the run's drafter, gate it, and move the aliases; write register/registration.json."""
+    out = cfg.output_path
+    inputs = read_inputs(cfg)
+    refuse_broken_exports(inputs, out)
+    fingerprint = eval_fingerprint(cfg, inputs.acceptance)
+    provenance = provenance_tags(cfg, inputs, Path.cwd())
+    if cfg.tracking.enabled:
+        with registration_run(cfg) as active:
+            registration = register_and_gate(cfg, inputs, fingerprint, provenance, active)
+    else:
+        registration = gate_only(cfg, inputs, fingerprint, provenance)
+    path = out / REGISTRATION_REPORT
+    write_json(path, registration)
+    say_gates(registration)
+    return RegisterResult(path, registration)
+
+
+def register_and_gate(cfg: RunConfig, inputs: RegisterInputs, fingerprint: str, provenance: dict[str, str],
+                      active: Any) -> dict[str, Any]:
+    """Gate against the current champion, log and register the drafter as candidate, promote it if it passed;
+    returns what registration.json holds."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    name = cfg.registry.model_name
+    champion = current_champion(client, name)
+    gates = evaluate_gates(GateInputs(inputs.acceptance, inputs.serving, inputs.data_contract,
+                                      inputs.contract.target_revision, fingerprint, champion), cfg.registry)
+    contract = registered_contract(inputs, gates, fingerprint)
+    model_id = log_drafter(client, inputs, contract, active)
+    tags = {**contract_tags(contract), **gate_tags(inputs, gates, fingerprint), **provenance}
+    version = register_version(name, model_id, tags)
+    client.set_registered_model_alias(name, CANDIDATE, str(version))
+    previous = promote_version(client, name, version) if gates_passed(gates) else None
+    registered = {
+        "model_name": name, "version": version, "model_uri": f"models:/{name}/{version}", "model_id": model_id,
+        "mlflow_run_id": active.info.run_id, "aliases": aliases_of(client, name, version),
+        "champion_before": champion.version if champion else None, "previous_champion": previous,
+    }
+    return {**registered, **gate_record(inputs, gates, fingerprint, provenance)}
+
+
+def gate_only(cfg: RunConfig, inputs: RegisterInputs, fingerprint: str, provenance: dict[str, str]) -> dict[str, Any]:
+    """Without an MLflow store (tracking.enabled false, e.g. CI-size runs): the gates, nothing registered."""
+    gates = evaluate_gates(GateInputs(inputs.acceptance, inputs.serving, inputs.data_contract,
+                                      inputs.contract.target_revision, fingerprint, None), cfg.registry)
+    skipped = {"skipped": "tracking.enabled is false: nothing registered (the gates were evaluated)",
+               "model_name": cfg.registry.model_name, "version": None, "aliases": []}
+    return {**skipped, **gate_record(inputs, gates, fingerprint, provenance)}
+
+
+def gate_record(inputs: RegisterInputs, gates: list[Gate], fingerprint: str,
+                provenance: dict[str, str]) -> dict[str, Any]:
+    """The part of registration.json that does not depend on the registry: gates, identity, provenance."""
+    return {
+        "gates_passed": gates_passed(gates), "gates": [gate.as_json() for gate in gates],
+        "failed_gates": [gate.describe() for gate in gates if gate.failed],
+        "offline_accept_length": offline_accept_length(inputs.acceptance), "eval_fingerprint": fingerprint,
+        "target_revision": inputs.contract.target_revision,
+        "reports": {key: str(path) if path else None for key, path in inputs.report_paths.items()},
+        **{key.removeprefix("eaglet."): value for key, value in provenance.items()},
+    }
+
+
+def say_gates(registration: dict[str, Any]) -> None:
+    """Tell the person at the terminal which gates held the version back (the stage itself succeeds)."""
+    if registration["version"] is None:
+        print(f"[register] {registration['skipped']}", flush=True)
+    else:
+        aliases = ", ".join(registration["aliases"]) or "none"
+        print(f"[register] {registration['model_name']} v{registration['version']}: aliases {aliases}", flush=True)
+    for line in registration["failed_gates"]:
+        print(f"[register] gate {line}", flush=True)
+
+
+# --- inputs ---------------------------------------------------------------------------------------------
+
+
+def require(path: Path, stage: str) -> Path:
+    """The path, or a FileNotFoundError naming it and the stage that writes it."""
+    if not path.exists():
+        raise FileNotFoundError(f"register needs {path}: run the {stage} stage first")
+    return path
+
+
+def optional_json(path: Path) -> Optional[dict[str, Any]]:
+    return read_json(path) if path.is_file() else None
+
+
+def read_inputs(cfg: RunConfig) -> RegisterInputs:
+    """Exports, target and evaluation are required; the serving and data-contract reports are gated on."""
+    out = cfg.output_path
+    exports = {}
+    for engine in ENGINES:
+        for name in EXPORT_FILES:
+            require(out / "draft" / engine / name, "train")
+        exports[engine] = out / "draft" / engine
+    target_info = read_json(require(out / "target.json", "target"))
+    acceptance_path = require(out / ACCEPTANCE_REPORT, "evaluate")
+    contract = CheckpointContract.model_validate_json((exports["sglang"] / "contract.json").read_text())
+    paths = {"acceptance": acceptance_path, "serving": out / SERVING_REPORT,
+             "data_contract": out / DATA_CONTRACT_REPORT, "data_docs": (out / DATA_DOCS_INDEX).resolve()}
+    paths = {key: path if path.is_file() else None for key, path in paths.items()}
+    return RegisterInputs(exports, contract.model_copy(update={"engine": None}), target_info, read_json(acceptance_path),
+                          optional_json(out / SERVING_REPORT), optional_json(out / DATA_CONTRACT_REPORT), paths)
+
+
+def refuse_broken_exports(inputs: RegisterInputs, out: Path) -> None:
+    """A checkpoint that fails the doctor's checks is a broken input, not a gate: nothing is registered."""
+    for engine, directory in inputs.exports.items():
+        failed = [check for check in inspect_checkpoint(directory, inputs.target_info) if not check.ok]
+        if failed:
+            listed = "\n  - ".join(f"{check.field}: {check.detail}" for check in failed)
+            raise ContractMismatch(f"{directory} fails the checkpoint checks (eaglet doctor {directory} "
+                                   f"--target {out / 'target'}):\n  - {listed}")
+
+
+def eval_fingerprint(cfg: RunConfig, acceptance: dict[str, Any]) -> str:
+    """Which prompts and decode settings the offline acceptance was measured on: versions compare only when
+    this (and the target revision) is equal."""
+    from tasks.evaluate import select_records
+
+    settings = cfg.evaluation
+    records = select_records(cfg.output_path / "data" / "eval.jsonl", settings.max_prompts, settings.sources)
+    prompts = [record.model_dump(mode="json", include={"id", "messages", "text"}) for record in records]
+    modes = {name: {key: acceptance[name].get(key) for key in ("steps", "topk", "num_draft_tokens")}
+             for name in ("chain", "tree") if name in acceptance}
+    measured = {"temperature": acceptance.get("temperature"), "max_new_tokens": acceptance.get("max_new_tokens"),
+                "max_length": cfg.validation.max_length, "modes": modes}
+    return hash_text(json.dumps({"prompts": prompts, "settings": measured}, sort_keys=True))
+
+
+def provenance_tags(cfg: RunConfig, inputs: RegisterInputs, root: Path) -> dict[str, str]:
+    """Where the version came from: code (git), pinned inputs (dvc.lock), run, and the Data Docs to read."""
+    changes = git_output(root, "status", "--porcelain", "--untracked-files=no")
+    return {
+        "eaglet.git_commit": git_commit(root),
+        "eaglet.git_dirty": "unknown" if changes is None else tag_value(bool(changes)),
+        "eaglet.dvc_lock_hash": dvc_lock_hash(root),
+        "eaglet.run_id": cfg.run_id,
+        "eaglet.data_docs": str(inputs.report_paths["data_docs"] or "none"),
+    }
+
+
+def git_commit(root: Path) -> str:
+    """HEAD of the repository the stage runs in; "unknown" outside one."""
+    return git_output(root, "rev-parse", "HEAD") or "unknown"
+
+
+def git_output(root: Path, *arguments: str) -> Optional[str]:
+    try:
+        completed = subprocess.run(["git", *arguments], cwd=root, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return completed.stdout.strip() if completed.returncode == 0 else None
+
+
+def dvc_lock_hash(root: Path) -> str:
+    """Hash of dvc.lock's entries for every stage but this one (the inputs DVC pinned); "none" without it."""
+    import yaml
+
+    path = root / "dvc.lock"
+    if not path.is_file():
+        return "none"
+    lock = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    upstream = {name: entry for name, entry in (lock.get("stages") or {}).items() if name != STAGE}
+    return hash_text(json.dumps(upstream, sort_keys=True, default=str))
+
+
+# --- checkpoint checks (also `eaglet doctor`) -----------------------------------------------------------
+
+
+def tensor_headers(weights: Path) -> dict[str, tuple[str, list[int]]]:
+    """Name -> (safetensors dtype, shape) from the file header, without loading any tensor."""
+    from safetensors import safe_open
+
+    headers = {}
+    with safe_open(str(weights), framework="pt") as handle:
+        for name in handle.keys():
+            tensor = handle.get_slice(name)
+            headers[name] = (tensor.get_dtype(), list(tensor.get_shape()))
+    return headers
+
+
+def inspect_checkpoint(directory: Path, target_info: dict[str, Any]) -> list[Check]:
+    """The checks of one export directory against a target's target.json."""
+    missing = [name for name in EXPORT_FILES if not (directory / name).is_file()]
+    if missing:
+        return [Check("files", False, f"{directory} lacks {', '.join(missing)}")]
+    try:
+        contract = CheckpointContract.model_validate_json((directory / "contract.json").read_text())
+    except ValueError as error:
+        return [Check("contract.json", False, f"not a checkpoint contract: {error}")]
+    config = read_json(directory / "config.json")
+    return checkpoint_checks(config, contract, tensor_headers(directory / "model.safetensors"), target_info)
+
+
+def export_dirs(directory: Path) -> list[Path]:
+    """One export, or each engine export under a `draft/` folder."""
+    if (directory / "config.json").is_file():
+        return [directory]
+    found = [directory / engine for engine in ENGINES if (directory / engine / "config.json").is_file()]
+    return found or [directory]
+
+
+def resolve_target_info(target: Path) -> dict[str, Any]:
+    """target.json of a run (the file, the run's output dir, or its `target/` dir), else what the target
+    stage would record for a local HF directory (same revision and tokenizer hashes)."""
+    if target.is_file():
+        return read_json(target)
+    if (target / "target.json").is_file():
+        return read_json(target / "target.json")
+    if target.name == "target" and (target.parent / "target.json").is_file():
+        return read_json(target.parent / "target.json")
+    if (target / "config.json").is_file():
+        return describe_hf_directory(target)
+    raise FileNotFoundError(f"{target}: neither a target.json, a run's output dir nor an HF model directory")
+
+
+def describe_hf_directory(directory: Path) -> dict[str, Any]:
+    from contract.config import ModelConfig
+    from tasks.target import describe_target, source_files_of
+
+    revision = hash_files(source_files_of(directory), root=directory)
+    model = ModelConfig(source="local", path=str(directory))
+    return describe_target(directory, model, revision).model_dump(mode="json")
+
+
+def doctor(directory: Path, target: Path) -> dict[Path, list[Check]]:
+    """Every check of each export under `directory` against the target `target`."""
+    target_info = resolve_target_info(target)
+    return {export: inspect_checkpoint(export, target_info) for export in export_dirs(directory)}
+
+
+# --- MLflow ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def registration_run(cfg: RunConfig) -> Iterator[Any]:
+    """The pipeline's active MLflow run, or a run of our own in the config's store."""
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    import mlflow
+
+    active = mlflow.active_run()
+    if active is not None:
+        yield active
+        return
+    from tasks.mlflow_store import ensure_experiment, tracking_uri
+
+    uri = tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)
+    ensure_experiment(uri, cfg.tracking.experiment)
+    tags = {"eaglet.run_id": cfg.run_id, "eaglet.kind": "stage", "eaglet.stage": STAGE}
+    with mlflow.start_run(run_name=f"{cfg.run_id}/{STAGE}", tags=tags) as own:
+        yield own
+
+
+def alias_version(client: Any, name: str, alias: str) -> Optional[int]:
+    """The version holding `alias`, None when nobody (or no registered model) does."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        aliases = client.get_registered_model(name).aliases
+    except MlflowException:
+        return None
+    version = aliases.get(alias)
+    return int(version) if version is not None else None
+
+
+def aliases_of(client: Any, name: str, version: int) -> list[str]:
+    aliases = client.get_registered_model(name).aliases
+    return sorted(alias for alias, held in aliases.items() if int(held) == version)
+
+
+def current_champion(client: Any, name: str) -> Optional[Champion]:
+    """The champion's eval-set identity and offline acceptance, from its version tags."""
+    version = alias_version(client, name, CHAMPION)
+    if version is None:
+        return None
+    tags = client.get_model_version(name, str(version)).tags
+    accept_length = tags.get(TAG_ACCEPT_LENGTH)
+    return Champion(version, tags.get(TAG_TARGET_REVISION), tags.get(TAG_EVAL_FINGERPRINT),
+                    float(accept_length) if accept_length not in (None, "none") else None)
+
+
+def registered_contract(inputs: RegisterInputs, gates: list[Gate], fingerprint: str) -> CheckpointContract:
+    """The export's contract (engine-neutral) with the evaluation reports' headline numbers added (DESIGN §5)."""
+    acceptance = inputs.acceptance
+    offline = {"mean_accept_length": offline_accept_length(acceptance),
+               "greedy_equivalence": acceptance.get("greedy_equivalence"), "prompts": acceptance.get("prompts"),
+               "records": acceptance.get("records"), "eval_fingerprint": fingerprint}
+    if "tree" in acceptance:
+        offline["tree_mean_accept_length"] = acceptance["tree"].get("mean_accept_length")
+    evaluation = {**inputs.contract.evaluation, "offline": offline, "serving": serving_summary(inputs.serving),
+                  "gates": {gate.name: gate.status for gate in gates}}
+    return inputs.contract.model_copy(update={"evaluation": evaluation})
+
+
+def serving_summary(report: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Per engine: acceptance and speedup per concurrency ("not run" without a benchmark)."""
+    if report is None or report.get("skipped") or not report.get("engines"):
+        return {"status": "not run"}
+    engines = {}
+    for kind, engine in report["engines"].items():
+        engines[kind] = {"mean_accept_length": (engine.get("acceptance_check") or {}).get("engine_mean_accept_length"),
+                         "speedup": engine.get("speedup")}
+    return {"status": "passed" if report.get("passed") else "failed", "engines": engines}
+
+
+def tag_value(value: Any) -> str:
+    """Strings as they are, everything else as JSON (MLflow tags are strings)."""
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def contract_tags(contract: CheckpointContract) -> dict[str, str]:
+    """One `contract.<field>` tag per contract field: the full contract, searchable in the registry."""
+    return {CONTRACT_TAG_PREFIX + key: tag_value(value) for key, value in contract.model_dump(mode="json").items()}
+
+
+def gate_tags(inputs: RegisterInputs, gates: list[Gate], fingerprint: str) -> dict[str, str]:
+    """The verdicts `eaglet promote` and `eaglet registry show` read back."""
+    speedups = [f"{gate.name.removeprefix('speedup[').rstrip(']')}={gate.measured:.3f}"
+                for gate in gates if gate.name.startswith("speedup[") and gate.measured is not None]
+    accept_length = offline_accept_length(inputs.acceptance)
+    return {
+        TAG_GATES_PASSED: tag_value(gates_passed(gates)),
+        TAG_GATES: tag_value([gate.as_json() for gate in gates]),
+        TAG_FAILED_GATES: tag_value([gate.describe() for gate in gates if gate.failed]),
+        TAG_EVAL_FINGERPRINT: fingerprint,
+        TAG_ACCEPT_LENGTH: tag_value(accept_length) if accept_length is not None else "none",
+        TAG_SPEEDUP: " ".join(speedups) or "not run",
+    }
+
+
+def log_drafter(client: Any, inputs: RegisterInputs, contract: CheckpointContract, active: Any) -> str:
+    """A logged model holding both engine folders byte for byte, contract.json and the reports."""
+    import mlflow
+
+    model = mlflow.initialize_logged_model(
+        name="eagle3-drafter", source_run_id=active.info.run_id, experiment_id=active.info.experiment_id,
+        model_type="eagle3-draft", tags={"eaglet.target_revision": contract.target_revision},
+        params={"target_id": contract.target_id, "draft_vocab_size": str(contract.draft_vocab_size),
+                "aux_layer_ids": json.dumps(contract.aux_layer_ids)},
+    )
+    try:
+        for engine, directory in inputs.exports.items():
+            client.log_model_artifacts(model.model_id, str(directory), artifact_path=engine)
+        with tempfile.TemporaryDirectory(prefix="eaglet-register-") as staging:
+            stage_side_files(Path(staging), inputs, contract)
+            client.log_model_artifacts(model.model_id, staging)
+    except BaseException:
+        mlflow.finalize_logged_model(model.model_id, "FAILED")
+        raise
+    mlflow.finalize_logged_model(model.model_id, "READY")
+    return model.model_id
+
+
+def stage_side_files(staging: Path, inputs: RegisterInputs, contract: CheckpointContract) -> None:
+    """contract.json and reports/{acceptance,serving,data_contract}.json beside the engine folders."""
+    (staging / "contract.json").write_text(contract.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    reports = staging / "reports"
+    reports.mkdir()
+    for key, data in (("acceptance", inputs.acceptance), ("serving", inputs.serving),
+                      ("data_contract", inputs.data_contract)):
+        if data is not None:
+            write_json(reports / f"{key}.json", data)
+
+
+def register_version(name: str, model_id: str, tags: dict[str, str]) -> int:
+    import mlflow
+
+    return int(mlflow.register_model(f"models:/{model_id}", name, tags=tags).version)
+
+
+def promote_version(client: Any, name: str, version: int, reason: Optional[str] = None,
+                    forced: bool = False) -> Optional[int]:
+    """`version` becomes champion, the champion it replaces keeps `previous`; returns that previous version."""
+    previous = alias_version(client, name, CHAMPION)
+    if previous == version:
+        return None
+    if previous is not None:
+        client.set_registered_model_alias(name, PREVIOUS, str(previous))
+    client.set_registered_model_alias(name, CHAMPION, str(version))
+    if alias_version(client, name, CANDIDATE) == version:
+        client.delete_registered_model_alias(name, CANDIDATE)
+    client.set_model_version_tag(name, str(version), "eaglet.promotion", "forced" if forced else "gates")
+    client.set_model_version_tag(name, str(version), "eaglet.promoted_at", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    if reason:
+        client.set_model_version_tag(name, str(version), "eaglet.promotion_reason", reason)
+    return previous
+
+
+def registry_client(cfg: RunConfig) -> Any:
+    """A client on the config's store (the registry lives in the same sqlite database)."""
+    from mlflow import MlflowClient
+
+    from tasks.mlflow_store import tracking_uri
+
+    return MlflowClient(tracking_uri=tracking_uri(cfg))
+
+
+def version_rows(client: Any, name: str) -> list[dict[str, str]]:
+    """One row per version, newest first, as `eaglet registry show` prints them."""
+    aliases = client.get_registered_model(name).aliases
+    by_version: dict[int, list[str]] = {}
+    for alias, version in aliases.items():
+        by_version.setdefault(int(version), []).append(alias)
+    rows = []
+    for version in sorted(client.search_model_versions(f"name='{name}'"), key=lambda item: -int(item.version)):
+        tags = version.tags
+        rows.append({
+            "version": str(version.version),
+            "aliases": ", ".join(sorted(by_version.get(int(version.version), []))),
+            "offline accept length": number_cell(tags.get(TAG_ACCEPT_LENGTH, "?")),
+            "speedup": tags.get(TAG_SPEEDUP, "?"),
+            "gates passed": {"true": "yes", "false": "no"}.get(tags.get(TAG_GATES_PASSED, ""), "?"),
+            "target revision": tags.get(TAG_TARGET_REVISION, "?")[:12],
+            "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(version.creation_timestamp / 1000)),
+        })
+    return rows
+
+
+def number_cell(text: str) -> str:
+    """A float tag with three decimals; anything else ("none", "?") as it is."""
+    try:
+        return f"{float(text):.3f}"
+    except ValueError:
+        return text
+
+
+def download_drafter(cfg_or_uri: RunConfig | str, model_name: str, alias: str, engine: str = "sglang",
+                     dst: Optional[Path] = None) -> Path:
+    """`models:/NAME@ALIAS`'s folder for one engine (config.json, model.safetensors, contract.json) under
+    `dst` (a new temp dir when None); returns the folder to pass to SGLang or vLLM."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    from tasks.mlflow_store import tracking_uri
+
+    uri = cfg_or_uri if isinstance(cfg_or_uri, str) else tracking_uri(cfg_or_uri)
+    try:
+        mlflow.MlflowClient(uri).get_model_version_by_alias(model_name, alias)
+    except MlflowException as error:
+        raise LookupError(f"no version of {model_name} has alias '{alias}' in {uri}: {error.message}") from None
+    destination = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix="eaglet-drafter-"))
+    with atomic_directory(destination / engine) as staging:
+        fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_name}@{alias}/{engine}",
+                                                           dst_path=str(staging), tracking_uri=uri, registry_uri=uri))
+        for path in list(fetched.iterdir()):
+            os.replace(path, staging / path.name)
+        fetched.rmdir()
+        missing = [name for name in EXPORT_FILES if not (staging / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"models:/{model_name}@{alias}/{engine} lacks {', '.join(missing)}: "
+                                    "not a drafter registered by eaglet")
+    return destination / engine

@@ -1,0 +1,303 @@
+"""Promotion gates and checkpoint checks: pure functions over reports and parsed checkpoint files.
+
+A drafter becomes `champion` only when every gate passes; a gate that could not be measured (no serving
+engine, no comparable champion) is "not run", which blocks nothing. Each gate keeps its measured value and
+its threshold, so a refusal says by how much it missed.
+
+The checkpoint checks are what `eaglet doctor` prints (DESIGN §3, §5): the contract against the target,
+the tensor names and shapes the engines load, and the aux layer ids written for the export's engine.
+No I/O here: tasks/register.py reads the files and calls these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Optional
+
+from contract.checkpoint import CheckpointContract, ContractMismatch, check_against_target
+from contract.config import RegistryConfig
+
+PASSED, FAILED, NOT_RUN = "passed", "failed", "not run"
+GateStatus = Literal["passed", "failed", "not run"]
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One promotion gate's verdict, with what was measured and what it had to reach."""
+
+    name: str
+    status: GateStatus
+    measured: Any
+    threshold: Any
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAILED
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line for people: name, verdict, measured vs threshold, why."""
+        text = f"{self.name}: {self.status} (measured {shown(self.measured)}, threshold {shown(self.threshold)})"
+        return f"{text}: {self.detail}" if self.detail else text
+
+
+def shown(value: Any) -> str:
+    """Floats to four significant digits (a gate line is read, not parsed); the rest as Python writes it."""
+    return f"{value:.4g}" if isinstance(value, float) else repr(value)
+
+
+@dataclass(frozen=True)
+class Champion:
+    """What the current champion's version tags say about the eval set it was measured on."""
+
+    version: int
+    target_revision: Optional[str]
+    eval_fingerprint: Optional[str]
+    offline_accept_length: Optional[float]
+
+
+@dataclass(frozen=True)
+class GateInputs:
+    """Everything the gates read: the stage reports (None when absent) and the candidate's identity."""
+
+    acceptance: dict[str, Any]
+    serving: Optional[dict[str, Any]]
+    data_contract: Optional[dict[str, Any]]
+    target_revision: str
+    eval_fingerprint: str
+    champion: Optional[Champion]
+
+
+def evaluate_gates(inputs: GateInputs, settings: RegistryConfig) -> list[Gate]:
+    """Every gate, in the order a person reads them: data, correctness, quality, serving, history."""
+    gates = [data_contract_gate(inputs.data_contract), greedy_gate(inputs.acceptance),
+             accept_length_gate(inputs.acceptance, settings.min_accept_length)]
+    gates += serving_gates(inputs.serving, offline_accept_length(inputs.acceptance), settings)
+    gates.append(regression_gate(inputs, settings.max_regression))
+    return gates
+
+
+def gates_passed(gates: list[Gate]) -> bool:
+    return not any(gate.failed for gate in gates)
+
+
+def offline_accept_length(acceptance: dict[str, Any]) -> Optional[float]:
+    """The chain's mean accept length: the number the engines' chain drafting is compared with."""
+    chain = acceptance.get("chain") or {}
+    value = chain.get("mean_accept_length")
+    return float(value) if value is not None else None
+
+
+# --- the gates ------------------------------------------------------------------------------------------
+
+
+def data_contract_gate(report: Optional[dict[str, Any]]) -> Gate:
+    """Training data that broke its contract must not ship, whatever the drafter measures."""
+    if report is None:
+        return Gate("data_contract", FAILED, None, True,
+                    "no data contract report (reports/data_contract.json): run the validate stage")
+    passed = bool(report.get("passed"))
+    violations = report.get("violations") or []
+    return Gate("data_contract", PASSED if passed else FAILED, passed, True, "; ".join(violations))
+
+
+def greedy_gate(acceptance: dict[str, Any]) -> Gate:
+    """Speculative decoding must not change greedy outputs; anything but "passed" is unproven."""
+    verdict = acceptance.get("greedy_equivalence")
+    detail = ""
+    if verdict != "passed":
+        detail = "evaluate at evaluation.temperature=0 with every output identical to the target's"
+    return Gate("greedy_equivalence", PASSED if verdict == "passed" else FAILED, verdict, "passed", detail)
+
+
+def accept_length_gate(acceptance: dict[str, Any], minimum: float) -> Gate:
+    """Offline chain acceptance: the drafter's quality on held-out prompts, independent of any engine."""
+    measured = offline_accept_length(acceptance)
+    if measured is None:
+        return Gate("offline_accept_length", FAILED, None, minimum, "the evaluate report has no chain.mean_accept_length")
+    return Gate("offline_accept_length", PASSED if measured >= minimum else FAILED, measured, minimum,
+                "" if measured >= minimum else "registry.min_accept_length not reached")
+
+
+def serving_gates(report: Optional[dict[str, Any]], offline: Optional[float], settings: RegistryConfig) -> list[Gate]:
+    """The benchmark's own checks, then per engine: acceptance vs offline and speedup. "not run" without one."""
+    if report is None or report.get("skipped") or not report.get("engines"):
+        reason = (report or {}).get("skipped") or "no benchmark report (benchmark/report.json)"
+        thresholds = {"serving_checks": True, "engine_acceptance": settings.engine_tolerance,
+                      "speedup": settings.min_speedup}
+        return [Gate(name, NOT_RUN, None, threshold, reason) for name, threshold in thresholds.items()]
+    failures = report.get("failures") or []
+    gates = [Gate("serving_checks", PASSED if not failures else FAILED, not failures, True, "; ".join(failures))]
+    for kind, engine in sorted(report["engines"].items()):
+        gates.append(engine_acceptance_gate(kind, engine, offline, settings.engine_tolerance))
+        gates.append(speedup_gate(kind, engine.get("speedup") or [], settings))
+    return gates
+
+
+def engine_acceptance_gate(kind: str, engine: dict[str, Any], offline: Optional[float], tolerance: float) -> Gate:
+    """The engine drafts from what the drafter was trained on when its acceptance is close to offline."""
+    name = f"engine_acceptance[{kind}]"
+    check = engine.get("acceptance_check") or {}
+    if check.get("status") == "skipped":
+        return Gate(name, NOT_RUN, None, tolerance, check.get("reason", "the benchmark skipped the comparison"))
+    if check.get("offline_steps") is not None and check.get("offline_steps") != check.get("engine_steps"):
+        return Gate(name, FAILED, None, tolerance, f"offline evaluation used {check.get('offline_steps')} draft "
+                    f"steps, the engine {check.get('engine_steps')}")
+    measured_length = check.get("engine_mean_accept_length")
+    if measured_length is None or not offline:
+        return Gate(name, FAILED, None, tolerance, "no engine or offline acceptance length to compare")
+    gap = abs(measured_length - offline) / offline
+    detail = f"engine {measured_length:.3f} vs offline {offline:.3f} mean accept length (relative gap)"
+    return Gate(name, PASSED if gap <= tolerance else FAILED, gap, tolerance, detail)
+
+
+def speedup_gate(kind: str, rows: list[dict[str, Any]], settings: RegistryConfig) -> Gate:
+    """Output tok/s with the drafter over without it, at `speedup_concurrency` (default: the lowest level)."""
+    name = f"speedup[{kind}]"
+    if not rows:
+        return Gate(name, FAILED, None, settings.min_speedup, "the benchmark report has no speedup rows")
+    wanted = settings.speedup_concurrency or min(row["concurrency"] for row in rows)
+    row = next((row for row in rows if row["concurrency"] == wanted), None)
+    if row is None:
+        measured_levels = sorted(row["concurrency"] for row in rows)
+        return Gate(name, FAILED, None, settings.min_speedup,
+                    f"registry.speedup_concurrency {wanted} was not measured (levels {measured_levels})")
+    measured = row.get("output_tokens_per_s")
+    detail = f"output tok/s with / without the drafter at concurrency {wanted}"
+    if measured is None:
+        return Gate(name, FAILED, None, settings.min_speedup, f"{detail}: the baseline produced no tokens")
+    return Gate(name, PASSED if measured >= settings.min_speedup else FAILED, measured, settings.min_speedup, detail)
+
+
+def regression_gate(inputs: GateInputs, max_regression: float) -> Gate:
+    """No step back from the champion, compared only on the same target revision and eval prompts."""
+    champion = inputs.champion
+    measured = offline_accept_length(inputs.acceptance)
+    if champion is None:
+        return Gate("no_regression", NOT_RUN, measured, None, "no champion to compare with")
+    if champion.target_revision != inputs.target_revision:
+        return Gate("no_regression", NOT_RUN, measured, None,
+                    f"champion v{champion.version} was trained for another target revision: not comparable")
+    if champion.eval_fingerprint != inputs.eval_fingerprint or champion.offline_accept_length is None:
+        return Gate("no_regression", NOT_RUN, measured, None,
+                    f"champion v{champion.version} was evaluated on another eval set: not comparable")
+    threshold = champion.offline_accept_length * (1.0 - max_regression)
+    detail = (f"champion v{champion.version} measured {champion.offline_accept_length:.3f} on the same eval set "
+              f"(registry.max_regression {max_regression})")
+    passed = measured is not None and measured >= threshold
+    return Gate("no_regression", PASSED if passed else FAILED, measured, threshold, detail)
+
+
+# --- checkpoint checks (eaglet doctor) ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """One checkpoint check: the field it looked at, whether it holds, and what was seen."""
+
+    field: str
+    ok: bool
+    detail: str
+
+
+def target_checks(contract: CheckpointContract, target_info: dict[str, Any]) -> list[Check]:
+    """DESIGN §5's load-time check (check_against_target), one line per field it refuses."""
+    compared = "hidden_size, vocab_size, bos/eos/pad_token_id, tokenizer_hash, target_revision"
+    try:
+        check_against_target(contract, target_info)
+    except ContractMismatch as error:
+        lines = [line.strip()[2:] for line in str(error).splitlines() if line.strip().startswith("- ")]
+        fields = [line.partition(": ") for line in lines]  # "<field>: checkpoint has X, target has Y"
+        return [Check(f"target.{field}", False, detail) for field, _, detail in fields]
+    return [Check("target", True, f"{compared} match {target_info.get('id')}")]
+
+
+def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[str, list[int]]]:
+    """Name -> (dtype kind, shape) of every tensor the engines load (DESIGN §3), from config.json."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    target_hidden = config.get("target_hidden_size") or hidden
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    attention = "midlayer.self_attn."
+    return {
+        "fc.weight": ("float", [hidden, 3 * target_hidden]),
+        "midlayer.input_layernorm.weight": ("float", [hidden]),
+        "midlayer.hidden_norm.weight": ("float", [hidden]),
+        attention + "q_proj.weight": ("float", [heads * head_dim, 2 * hidden]),
+        attention + "k_proj.weight": ("float", [kv_heads * head_dim, 2 * hidden]),
+        attention + "v_proj.weight": ("float", [kv_heads * head_dim, 2 * hidden]),
+        attention + "o_proj.weight": ("float", [hidden, heads * head_dim]),
+        "midlayer.post_attention_layernorm.weight": ("float", [hidden]),
+        "midlayer.mlp.gate_proj.weight": ("float", [inner, hidden]),
+        "midlayer.mlp.up_proj.weight": ("float", [inner, hidden]),
+        "midlayer.mlp.down_proj.weight": ("float", [hidden, inner]),
+        "norm.weight": ("float", [hidden]),
+        "lm_head.weight": ("float", [config["draft_vocab_size"], hidden]),
+        "d2t": ("int64", [config["draft_vocab_size"]]),
+        "t2d": ("bool", [config["vocab_size"]]),
+    }
+
+
+def dtype_kind(safetensors_dtype: str) -> str:
+    """Group safetensors dtype names ("F32", "BF16", "I64", "BOOL") the way the format allows them."""
+    if safetensors_dtype in ("F64", "F32", "F16", "BF16"):
+        return "float"
+    return {"I64": "int64", "BOOL": "bool"}.get(safetensors_dtype, safetensors_dtype)
+
+
+def tensor_checks(config: dict[str, Any], tensors: dict[str, tuple[str, list[int]]]) -> list[Check]:
+    """Every expected tensor present with its shape; nothing else (vLLM rejects unknown names)."""
+    expected = expected_tensors(config)
+    checks = []
+    for name, (kind, shape) in expected.items():
+        if name not in tensors:
+            checks.append(Check(f"tensor {name}", False, f"missing (expected {kind} {shape})"))
+            continue
+        found_kind, found_shape = dtype_kind(tensors[name][0]), list(tensors[name][1])
+        ok = found_kind == kind and found_shape == shape
+        checks.append(Check(f"tensor {name}", ok, f"{tensors[name][0]} {found_shape}"
+                            + ("" if ok else f", expected {kind} {shape}")))
+    unknown = sorted(set(tensors) - set(expected))
+    checks.append(Check("tensor names", not unknown, f"unexpected {unknown}" if unknown else "no unknown tensors"))
+    return checks
+
+
+def config_checks(config: dict[str, Any], contract: CheckpointContract) -> list[Check]:
+    """config.json agrees with its contract: architecture, vocab sizes, fusion dims."""
+    target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    pairs = [
+        ("config.architectures", config.get("architectures"), ["LlamaForCausalLMEagle3"]),
+        ("config.vocab_size", config.get("vocab_size"), contract.vocab_size),
+        ("config.draft_vocab_size", config.get("draft_vocab_size"), contract.draft_vocab_size),
+        ("config.target_hidden_size", target_hidden, contract.hidden_size),
+        ("contract.fusion_dims", contract.fusion_dims, [3 * (target_hidden or 0), config.get("hidden_size")]),
+    ]
+    return [Check(name, found == wanted, f"{found!r}" + ("" if found == wanted else f", expected {wanted!r}"))
+            for name, found, wanted in pairs]
+
+
+def layer_id_checks(config: dict[str, Any], contract: CheckpointContract, num_target_layers: int) -> list[Check]:
+    """The engine captures the trained layers only if eagle_config is written in its convention (DESIGN §3)."""
+    from models.draft_checkpoint import engine_layer_ids
+
+    eagle = config.get("eagle_config") or {}
+    trained = eagle.get("eaglet_aux_layer_ids")
+    written = eagle.get("eagle_aux_hidden_state_layer_ids")
+    wanted = engine_layer_ids(contract.aux_layer_ids, num_target_layers, contract.engine)
+    engine = contract.engine or "no engine (SGLang convention)"
+    return [
+        Check("eagle_config.eaglet_aux_layer_ids", trained == contract.aux_layer_ids,
+              f"{trained} (contract aux_layer_ids {contract.aux_layer_ids})"),
+        Check("eagle_config.eagle_aux_hidden_state_layer_ids", written == wanted,
+              f"{written if written is not None else 'absent'} for {engine}; expected "
+              f"{wanted if wanted is not None else 'absent (engine default)'}"),
+    ]
+
+
+def checkpoint_checks(config: dict[str, Any], contract: CheckpointContract,
+                      tensors: dict[str, tuple[str, list[int]]], target_info: dict[str, Any]) -> list[Check]:
+    """Everything `eaglet doctor` checks, in reading order."""
+    return (target_checks(contract, target_info) + config_checks(config, contract)
+            + layer_id_checks(config, contract, target_info["num_hidden_layers"]) + tensor_checks(config, tensors))

@@ -1,0 +1,358 @@
+"""register stage and registry commands on a real sqlite MLflow store and a real exported tiny drafter.
+
+One drafter is trained for a few steps and evaluated once per module; each test copies what the stage reads
+into its own output dir and plants the serving and data-contract reports (good ones, or one bad value, which
+is the point of a gate test). The gates themselves are pure functions, checked one planted value at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+import mlflow
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from contract.checkpoint import CheckpointContract, ContractMismatch
+from contract.config import RegistryConfig, RunConfig, TrackingConfig
+from contract.config_loading import config_as_yaml
+from flows.registry_cli import add_registry_commands
+from tasks import evaluate, register, train
+from tasks.registry_gates import Champion, GateInputs, evaluate_gates, gates_passed
+from training_run import captured_run
+
+MODEL = "tiny-drafter"
+#: What the stage reads from a run; the rest (features, checkpoints) stays behind.
+REGISTER_INPUTS = ("target.json", "target", "draft", "evaluate", "data/eval.jsonl")
+
+
+@pytest.fixture(scope="module")
+def exported_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -> RunConfig:
+    """A drafter trained for two steps, exported for both engines, with a real offline evaluation."""
+    cfg = captured_run(tmp_path_factory.mktemp("register") / "run", tiny_target_dir, max_steps=2)
+    train.run(cfg)
+    settings = {"steps": 3, "topk": 1, "max_new_tokens": 8, "max_prompts": 1}
+    cfg = cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update=settings)})
+    evaluate.run(cfg)
+    return cfg
+
+
+def run_copy(exported: RunConfig, directory: Path, mlflow_uri: str, **registry: Any) -> RunConfig:
+    """The stage's inputs in a fresh output dir, with good planted reports, tracked in `mlflow_uri`."""
+    for name in REGISTER_INPUTS:
+        source, destination = exported.output_path / name, directory / name
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, destination)
+        else:
+            shutil.copy2(source, destination)
+    write(directory / "reports" / "data_contract.json", {"passed": True, "violations": []})
+    (directory / "reports" / "data_docs").mkdir()
+    (directory / "reports" / "data_docs" / "index.html").write_text("<html>data docs</html>")
+    write(directory / "benchmark" / "report.json", {"skipped": "benchmark.engines is empty", "engines": {},
+                                                    "failures": [], "passed": True})
+    settings = {"model_name": MODEL, "min_accept_length": 1.0, **registry}
+    return exported.model_copy(update={
+        "output_dir": str(directory),
+        "tracking": TrackingConfig(enabled=True, tracking_uri=mlflow_uri, experiment="register-test"),
+        "registry": RegistryConfig(**settings),
+    })
+
+
+def write(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def plant_accept_length(cfg: RunConfig, value: float) -> None:
+    """Overwrite the offline chain accept length of the run's evaluate report."""
+    path = cfg.output_path / "evaluate" / "acceptance.json"
+    report = json.loads(path.read_text())
+    report["chain"]["mean_accept_length"] = value
+    write(path, report)
+
+
+def aliases(uri: str) -> dict[str, int]:
+    return {alias: int(version) for alias, version in mlflow.MlflowClient(uri).get_registered_model(MODEL).aliases.items()}
+
+
+# --- the gates, one planted value at a time -------------------------------------------------------------
+
+
+def serving(speedup: float = 1.4, engine_length: float = 2.1, failures: tuple[str, ...] = ()) -> dict[str, Any]:
+    check = {"status": "ok", "offline_mean_accept_length": 2.0, "offline_steps": 3,
+             "engine_mean_accept_length": engine_length, "engine_steps": 3, "tolerance": 0.15}
+    engine = {"speedup": [{"concurrency": 1, "output_tokens_per_s": speedup}, {"concurrency": 4, "output_tokens_per_s": 0.8}],
+              "acceptance_check": check, "failures": list(failures)}
+    return {"engines": {"vllm": engine}, "failures": list(failures), "passed": not failures}
+
+
+def good_inputs(**changes: Any) -> GateInputs:
+    values = {"acceptance": {"greedy_equivalence": "passed", "chain": {"mean_accept_length": 2.0, "steps": 3}},
+              "serving": serving(), "data_contract": {"passed": True, "violations": []},
+              "target_revision": "rev", "eval_fingerprint": "evalset",
+              "champion": Champion(1, "rev", "evalset", 1.95)}
+    return GateInputs(**{**values, **changes})
+
+
+SETTINGS = RegistryConfig(min_accept_length=1.5, min_speedup=1.2, engine_tolerance=0.15, max_regression=0.02)
+PLANTED: dict[str, tuple[Callable[[], GateInputs], Any, Any]] = {
+    # gate: (inputs with one bad value, measured, threshold)
+    "data_contract": (lambda: good_inputs(data_contract={"passed": False, "violations": ["ids unique"]}), False, True),
+    "greedy_equivalence": (lambda: good_inputs(acceptance={"greedy_equivalence": "failed",
+                                                           "chain": {"mean_accept_length": 2.0}}), "failed", "passed"),
+    "offline_accept_length": (lambda: good_inputs(acceptance={"greedy_equivalence": "passed",
+                                                              "chain": {"mean_accept_length": 1.4}},
+                                                  champion=None), 1.4, 1.5),
+    "serving_checks": (lambda: good_inputs(serving=serving(failures=("vllm: 1 of 8 requests failed",))), False, True),
+    "engine_acceptance[vllm]": (lambda: good_inputs(serving=serving(engine_length=2.5)), pytest.approx(0.25), 0.15),
+    "speedup[vllm]": (lambda: good_inputs(serving=serving(speedup=1.1)), 1.1, 1.2),
+    "no_regression": (lambda: good_inputs(champion=Champion(1, "rev", "evalset", 2.5)), 2.0, pytest.approx(2.45)),
+}
+
+
+def test_good_reports_pass_every_gate() -> None:
+    gates = evaluate_gates(good_inputs(), SETTINGS)
+    assert [gate.name for gate in gates] == ["data_contract", "greedy_equivalence", "offline_accept_length",
+                                             "serving_checks", "engine_acceptance[vllm]", "speedup[vllm]", "no_regression"]
+    assert all(gate.status == "passed" for gate in gates) and gates_passed(gates)
+    speedup = next(gate for gate in gates if gate.name == "speedup[vllm]")
+    assert speedup.measured == 1.4 and "concurrency 1" in speedup.detail, "the lowest level by default"
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_each_gate_fails_on_its_planted_bad_value(name: str) -> None:
+    planted, measured, threshold = PLANTED[name]
+    gates = {gate.name: gate for gate in evaluate_gates(planted(), SETTINGS)}
+    assert gates[name].status == "failed", gates[name]
+    assert (gates[name].measured, gates[name].threshold) == (measured, threshold)
+    assert not gates_passed(list(gates.values()))
+    assert name in gates[name].describe() and "threshold" in gates[name].describe()
+
+
+def test_unmeasurable_gates_are_not_run_and_block_nothing() -> None:
+    skipped = {"skipped": "benchmark.engines is empty", "engines": {}, "failures": [], "passed": True}
+    other_eval_set = Champion(1, "rev", "another-evalset", 9.0)
+    gates = evaluate_gates(good_inputs(serving=skipped, champion=other_eval_set), SETTINGS)
+    verdicts = {gate.name: gate.status for gate in gates}
+    assert verdicts == {"data_contract": "passed", "greedy_equivalence": "passed", "offline_accept_length": "passed",
+                        "serving_checks": "not run", "engine_acceptance": "not run", "speedup": "not run",
+                        "no_regression": "not run"}
+    assert gates_passed(gates)
+    missing = {gate.name: gate for gate in evaluate_gates(good_inputs(data_contract=None), SETTINGS)}
+    assert missing["data_contract"].failed and "validate stage" in missing["data_contract"].detail
+
+
+# --- the stage ------------------------------------------------------------------------------------------
+
+
+def git_repo_with_lock(directory: Path) -> str:
+    """A committed git repo holding a dvc.lock; returns HEAD."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = {"schema": "2.0", "stages": {"train": {"cmd": "eaglet stage train", "outs": [{"md5": "abc"}]},
+                                        "register": {"cmd": "eaglet stage register"}}}
+    (directory / "dvc.lock").write_text(json.dumps(lock))
+    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
+    for command in (["init", "-q"], ["add", "dvc.lock"], ["commit", "-q", "-m", "lock"]):
+        subprocess.run(git + command, cwd=directory, check=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True).stdout.strip()
+
+
+def test_registration_carries_the_contract_reports_and_provenance(exported_run: RunConfig, tmp_path: Path,
+                                                                  mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = run_copy(exported_run, tmp_path / "out", mlflow_uri)
+    head = git_repo_with_lock(tmp_path / "repo")
+    monkeypatch.chdir(tmp_path / "repo")
+    result = register.run(cfg)
+
+    registration = json.loads((cfg.output_path / "register" / "registration.json").read_text())
+    assert registration == result.registration and registration["version"] == 1
+    assert registration["aliases"] == ["champion"] and registration["gates_passed"] is True
+    assert {gate["name"]: gate["status"] for gate in registration["gates"]}["speedup"] == "not run"
+    assert result.summary() == {"registered": 1.0, "version": 1.0, "gates_passed": 1.0, "gates_failed": 0.0,
+                                "champion": 1.0, "offline_accept_length": registration["offline_accept_length"]}
+
+    client = mlflow.MlflowClient(mlflow_uri)
+    version = client.get_model_version(MODEL, "1")
+    contract = CheckpointContract.model_validate_json((cfg.output_path / "draft" / "sglang" / "contract.json").read_text())
+    for field, value in contract.model_dump(mode="json").items():
+        if field not in ("engine", "evaluation"):
+            assert version.tags[f"contract.{field}"] == register.tag_value(value), field
+    assert version.tags["contract.target_revision"] == json.loads((cfg.output_path / "target.json").read_text())["revision"]
+    assert json.loads(version.tags["contract.evaluation"])["offline"]["greedy_equivalence"] == "passed"
+    assert version.tags["eaglet.git_commit"] == head and version.tags["eaglet.git_dirty"] == "false"
+    assert version.tags["eaglet.dvc_lock_hash"] == registration["dvc_lock_hash"] != "none"
+    lock = json.loads((tmp_path / "repo" / "dvc.lock").read_text())
+    lock["stages"]["register"]["cmd"] = "changed"
+    (tmp_path / "repo" / "dvc.lock").write_text(json.dumps(lock))
+    assert register.dvc_lock_hash(tmp_path / "repo") == registration["dvc_lock_hash"], "only upstream stages count"
+    assert register.dvc_lock_hash(tmp_path) == "none" and register.git_commit(tmp_path) == "unknown"
+    assert version.tags["eaglet.data_docs"].endswith("reports/data_docs/index.html")
+    assert version.tags["eaglet.eval_fingerprint"] == registration["eval_fingerprint"]
+
+    model = client.get_logged_model(registration["model_id"])
+    assert version.source == f"models:/{model.model_id}" and model.status.to_proto() == 2  # READY
+    assert client.get_run(version.run_id).data.tags["eaglet.stage"] == "register", "its own run outside a pipeline"
+    fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{MODEL}/1", dst_path=str(tmp_path / "all"),
+                                                       tracking_uri=mlflow_uri))
+    files = {str(path.relative_to(fetched)) for path in fetched.rglob("*") if path.is_file()}
+    assert {"contract.json", "reports/acceptance.json", "reports/serving.json", "reports/data_contract.json",
+            "sglang/model.safetensors", "vllm/config.json"} <= files
+    assert model.artifact_location.startswith((tmp_path / "mlartifacts").as_uri()), "beside the store, not in the cwd"
+
+
+def test_failing_gate_keeps_candidate_then_a_passing_version_moves_the_aliases(
+        exported_run: RunConfig, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = run_copy(exported_run, tmp_path / "out", mlflow_uri, min_accept_length=1.5)
+    plant_accept_length(cfg, 2.0)
+    register.run(cfg)
+    plant_accept_length(cfg, 1.2)
+    failed = register.run(cfg)
+
+    assert failed.registration["version"] == 2 and failed.registration["aliases"] == ["candidate"]
+    assert aliases(mlflow_uri) == {"champion": 1, "candidate": 2}
+    gates = {gate["name"]: gate for gate in failed.registration["gates"]}
+    assert gates["offline_accept_length"] == {"name": "offline_accept_length", "status": "failed", "measured": 1.2,
+                                              "threshold": 1.5, "detail": "registry.min_accept_length not reached"}
+    assert gates["no_regression"]["status"] == "failed" and gates["no_regression"]["threshold"] == pytest.approx(1.96)
+    assert "v1" in gates["no_regression"]["detail"]
+    assert any(line.startswith("offline_accept_length: failed (measured 1.2, threshold 1.5)")
+               for line in failed.registration["failed_gates"])
+    assert failed.summary()["gates_failed"] == 2.0 and failed.summary()["champion"] == 0.0
+
+    plant_accept_length(cfg, 2.2)
+    mlflow.set_tracking_uri(mlflow_uri)
+    mlflow.set_experiment("register-test")
+    with mlflow.start_run(run_name="pipeline") as pipeline_run:
+        passed = register.run(cfg)
+    assert passed.registration["mlflow_run_id"] == pipeline_run.info.run_id, "inside the pipeline's run"
+    assert passed.registration["previous_champion"] == 1 and passed.registration["champion_before"] == 1
+    assert aliases(mlflow_uri) == {"champion": 3, "previous": 1}
+
+
+def test_missing_inputs_fail_naming_the_file_and_the_stage(exported_run: RunConfig, tmp_path: Path, mlflow_uri: str) -> None:
+    cfg = run_copy(exported_run, tmp_path / "out", mlflow_uri)
+    (cfg.output_path / "evaluate" / "acceptance.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"evaluate/acceptance.json: run the evaluate stage"):
+        register.run(cfg)
+    (cfg.output_path / "draft" / "vllm" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"draft/vllm/model.safetensors: run the train stage"):
+        register.run(cfg)
+    assert not (cfg.output_path / "register").exists()
+
+
+def test_without_tracking_the_gates_are_reported_and_nothing_is_registered(exported_run: RunConfig, tmp_path: Path,
+                                                                          mlflow_uri: str) -> None:
+    cfg = run_copy(exported_run, tmp_path / "out", mlflow_uri, min_accept_length=9.0)
+    cfg = cfg.model_copy(update={"tracking": TrackingConfig(enabled=False)})
+    result = register.run(cfg)
+    assert result.registration["version"] is None and "tracking.enabled is false" in result.registration["skipped"]
+    assert result.registration["failed_gates"][0].startswith("offline_accept_length: failed")
+    assert result.summary()["registered"] == 0.0 and "version" not in result.summary()
+    assert not (cfg.output_path / "mlflow.db").exists()
+
+
+# --- the commands ---------------------------------------------------------------------------------------
+
+
+def cli() -> typer.Typer:
+    app = typer.Typer()
+    add_registry_commands(app)
+    return app
+
+
+def invoke(*arguments: str) -> Any:
+    return CliRunner().invoke(cli(), list(arguments), env={"COLUMNS": "220"})
+
+
+def test_promote_needs_passed_gates_or_force_with_a_reason_and_show_lists_versions(
+        exported_run: RunConfig, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = run_copy(exported_run, tmp_path / "out", mlflow_uri, min_accept_length=1.5)
+    config = tmp_path / "run.yaml"
+    config.write_text(config_as_yaml(cfg))
+    plant_accept_length(cfg, 2.0)
+    register.run(cfg)
+    plant_accept_length(cfg, 1.2)
+    register.run(cfg)
+
+    refused = invoke("promote", "--version", "2", "--config", str(config))
+    assert refused.exit_code == 1 and "offline_accept_length: failed (measured 1.2, threshold 1.5)" in refused.output
+    no_reason = invoke("promote", "--version", "2", "--force", "--config", str(config))
+    assert no_reason.exit_code == 2 and "--force needs --reason" in no_reason.output
+    assert aliases(mlflow_uri) == {"champion": 1, "candidate": 2}
+    forced = invoke("promote", "--version", "2", "--force", "--reason", "hotfix for a tokenizer bug", "--config", str(config))
+    assert forced.exit_code == 0, forced.output
+    assert aliases(mlflow_uri) == {"champion": 2, "previous": 1}
+    tags = mlflow.MlflowClient(mlflow_uri).get_model_version(MODEL, "2").tags
+    assert tags["eaglet.promotion"] == "forced" and tags["eaglet.promotion_reason"] == "hotfix for a tokenizer bug"
+    back = invoke("promote", "--version", "1", "--config", str(config))
+    assert back.exit_code == 0 and aliases(mlflow_uri) == {"champion": 1, "previous": 2}
+    assert invoke("promote", "--version", "7", "--config", str(config)).exit_code == 2
+
+    shown = invoke("registry", "show", "--config", str(config))
+    assert shown.exit_code == 0, shown.output
+    rows = {line.split("│")[1].strip(): line for line in shown.output.splitlines() if line.count("│") >= 8}
+    assert set(rows) >= {"1", "2"}
+    revision = json.loads((cfg.output_path / "target.json").read_text())["revision"][:12]
+    assert "champion" in rows["1"] and "yes" in rows["1"] and "2.0" in rows["1"] and revision in rows["1"]
+    assert "previous" in rows["2"] and " no " in rows["2"] and "1.2" in rows["2"] and "not run" in rows["2"]
+
+
+def test_download_by_alias_gives_back_the_export_byte_for_byte(exported_run: RunConfig, tmp_path: Path,
+                                                               mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from models.draft_checkpoint import load_pretrained
+
+    monkeypatch.chdir(tmp_path)
+    cfg = run_copy(exported_run, tmp_path / "out", mlflow_uri)
+    register.run(cfg)
+    target_info = json.loads((cfg.output_path / "target.json").read_text())
+    for engine in ("sglang", "vllm"):
+        directory = register.download_drafter(cfg, MODEL, "champion", engine, tmp_path / "served")
+        export = cfg.output_path / "draft" / engine
+        assert directory == tmp_path / "served" / engine
+        assert sorted(path.name for path in directory.iterdir()) == ["config.json", "contract.json", "model.safetensors"]
+        for name in ("config.json", "contract.json", "model.safetensors"):
+            assert (directory / name).read_bytes() == (export / name).read_bytes(), (engine, name)
+        draft, contract = load_pretrained(directory, target_info)
+        assert contract.engine == engine and draft.config.draft_vocab_size == 128
+    again = register.download_drafter(mlflow_uri, MODEL, "champion", "sglang", tmp_path / "served")
+    assert (again / "model.safetensors").read_bytes() == (cfg.output_path / "draft" / "sglang" / "model.safetensors").read_bytes()
+    with pytest.raises(LookupError, match="alias 'previous'"):
+        register.download_drafter(cfg, MODEL, "previous", "sglang", tmp_path / "nothing")
+
+
+def test_doctor_passes_the_right_target_and_refuses_another(exported_run: RunConfig, tmp_path: Path,
+                                                           mlflow_uri: str) -> None:
+    from tiny_target import build_tiny_target
+
+    out = exported_run.output_path
+    passed = invoke("doctor", str(out / "draft"), "--target", str(out / "target"))
+    assert passed.exit_code == 0, passed.output
+    assert "FAILED" not in passed.output and "all checks passed" in passed.output
+    assert "draft/sglang" in passed.output and "draft/vllm" in passed.output
+    source = invoke("doctor", str(out / "draft" / "vllm"), "--target", exported_run.model.path or "")
+    assert source.exit_code == 0, "the HF directory the run was made from describes the same target"
+
+    other = build_tiny_target(tmp_path / "other-target", num_layers=4, hidden_size=32, seed=1)
+    refused = invoke("doctor", str(out / "draft" / "sglang"), "--target", str(other))
+    assert refused.exit_code == 1
+    assert "FAILED target.hidden_size: checkpoint has 64, target has 32" in refused.output
+    assert "FAILED target.target_revision" in refused.output
+
+    cfg = run_copy(exported_run, tmp_path / "out", mlflow_uri)
+    vllm = cfg.output_path / "draft" / "vllm" / "config.json"
+    config = json.loads(vllm.read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]  # the SGLang convention in a vLLM export
+    vllm.write_text(json.dumps(config))
+    wrong_ids = invoke("doctor", str(vllm.parent), "--target", str(cfg.output_path))
+    assert wrong_ids.exit_code == 1
+    assert "FAILED eagle_config.eagle_aux_hidden_state_layer_ids: [1, 2, 3] for vllm; expected [2, 3, 4]" in wrong_ids.output
+    with pytest.raises(ContractMismatch, match="eagle_aux_hidden_state_layer_ids"):
+        register.run(cfg)
