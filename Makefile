@@ -12,7 +12,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup serve-env run test clean
+.PHONY: setup serve-env sglang-env run test clean
 
 setup: $(STAMP)
 
@@ -39,10 +39,21 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
-run: setup
+# SGLang's own EAGLE3 checkpoint loader for tests/test_sglang_loader.py (it cannot serve on CPUs; DESIGN §6):
+# the sglang wheel --no-deps with the torch/torchvision/transformers it pins (CUDA torch, ~6 GB, ~2 min).
+# A GPU host that serves with SGLang uses a full `pip install sglang` env (runtime.engines.sglang.python).
+SGLANG_VENV := .venv-sglang-loader
+SGLANG_STAMP := $(SGLANG_VENV)/.eaglet-installed
+
+sglang-env: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): tests/make_sglang_env.sh
+	PYTHON=$(PYTHON) bash tests/make_sglang_env.sh $(SGLANG_VENV)
+
+run: setup serve-env
 	$(BIN)/eaglet run --config params.yaml
 
-test: setup serve-env
+test: setup serve-env sglang-env
 	$(BIN)/python -m pytest -q
 
 clean:

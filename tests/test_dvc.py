@@ -1,7 +1,9 @@
-"""dvc.yaml as shipped: `dvc repro` of target + ingest in a temporary git repository."""
+"""dvc.yaml as shipped, in a temporary git repository: `dvc repro` of every stage on the tiny run, what a
+changed param reruns, `dvc exp run -S`, and a local remote's push/pull round trip."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -49,7 +51,7 @@ def test_dvc_repro_runs_the_stages(tmp_path: Path, tiny_target_dir: Path) -> Non
             shutil.copy(REPO_ROOT / dep, repo / dep)
     write_conversations(repo / "inputs" / "chats.jsonl")
     params = tiny_run_config("artifacts/tiny", tiny_target_dir, "inputs/chats.jsonl", {"enabled": False})
-    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    write_params(repo, params)
 
     dvc("repro", cwd=repo)
     report = json.loads((repo / "artifacts/tiny/data/ingest_report.json").read_text())
@@ -73,12 +75,12 @@ def test_dvc_repro_runs_the_stages(tmp_path: Path, tiny_target_dir: Path) -> Non
     assert "didn't change" in second or "skipping" in second.lower()
 
     params["validation"]["eval_fraction"] = 0.5
-    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    write_params(repo, params)
     status = dvc("status", cwd=repo)
     assert "validate" in status and "regenerate" not in status and "ingest" not in status, status
 
     params["data"]["sources"][1]["limit"] = 5
-    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    write_params(repo, params)
     status = dvc("status", cwd=repo)
     assert "ingest" in status and "target" not in status, status
     dvc("repro", cwd=repo)
@@ -86,3 +88,47 @@ def test_dvc_repro_runs_the_stages(tmp_path: Path, tiny_target_dir: Path) -> Non
     assert report["ok"] == 8
     regenerated = (repo / "artifacts/tiny/data/regenerate_report.json").read_text()
     assert json.loads(regenerated)["input"] == 8, "regenerate followed its changed input"
+
+    commit_all(repo, "tiny run")
+    dvc("exp", "run", "-S", "training.max_steps=2", cwd=repo)
+    assert yaml.safe_load((repo / "params.yaml").read_text())["training"]["max_steps"] == 2
+    summary = json.loads((repo / "artifacts/tiny/train/summary.json").read_text())
+    assert summary["steps"] == 2 and summary["complete"], "the experiment retrained with its own params"
+    assert dvc("exp", "list", cwd=repo).strip(), "the experiment is recorded"
+
+    pushed = {path: digest(repo / path) for path in ("artifacts/tiny/target/model.safetensors",
+                                                     "artifacts/tiny/draft/vllm/model.safetensors",
+                                                     "artifacts/tiny/data/train.jsonl")}
+    dvc("remote", "add", "-d", "local", str(tmp_path / "remote"), cwd=repo)
+    dvc("push", cwd=repo)
+    shutil.rmtree(repo / ".dvc" / "cache")
+    for directory in ("target", "draft", "data"):
+        shutil.rmtree(repo / "artifacts" / "tiny" / directory)
+    dvc("pull", cwd=repo)
+    assert {path: digest(repo / path) for path in pushed} == pushed
+
+
+def test_dvc_outs_hold_run_artifacts_only() -> None:
+    """Engine venvs, pip and HF caches never become DVC outs: every out lives under the run's output dir."""
+    stages = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        for out in stage.get("outs", []):
+            path = next(iter(out)) if isinstance(out, dict) else out
+            assert path.startswith("${output_dir}/"), (name, path)
+
+
+def commit_all(repo: Path, message: str) -> None:
+    run(["git", "add", "-A"], repo)
+    run(["git", "-c", "user.email=ci@eaglet", "-c", "user.name=eaglet", "commit", "-qm", message], repo)
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_params(repo: Path, params: dict) -> None:
+    """params.yaml as the resolved run config: every section a stage names in dvc.yaml is present."""
+    from contract.config import RunConfig
+    from contract.config_loading import config_as_yaml
+
+    (repo / "params.yaml").write_text(config_as_yaml(RunConfig.model_validate(params)))
