@@ -6,7 +6,8 @@ slot for the target to write (MT-bench, HumanEval and chitchat only give the use
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from pathlib import Path
+from typing import Iterator, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -127,3 +128,17 @@ class StageReport(Record):
                 f"{self.stage} report does not balance: ok {self.ok} + error {self.error} + "
                 f"skipped {self.skipped} != input {self.input}"
             )
+
+
+def read_prompt_records(path: Path) -> Iterator[tuple[int, PromptRecord]]:
+    """(line number, record) per non-blank line of a records JSONL written by a stage, so a line that is not a
+    PromptRecord is a hard error naming file:line."""
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = PromptRecord.model_validate_json(line)
+            except ValueError as error:
+                raise ValueError(f"{path}:{number}: not a prompt record: {error}") from None
+            yield number, record

@@ -31,7 +31,7 @@ import torch
 
 from contract.chat_rendering import TemplateError, render_with_spans, spans_in_pretemplated, tokenize_with_mask
 from contract.config import RunConfig
-from contract.records import Outcome, PromptRecord, StageReport
+from contract.records import Outcome, StageReport, read_prompt_records
 from models.target_capture import capture_states, resolve_aux_layer_ids, teacher_topk
 from models.vocab_mapping import (VocabMapping, build_vocab_mapping, count_tokens, mapping_summary,
                                   save_vocab_mapping, write_safetensors)
@@ -230,34 +230,27 @@ def prepare_split(path: Path, split: str, tokenizer: Any, max_length: int, vocab
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no {split} records; run the validate stage first")
     samples = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            key = f"{split}.jsonl:{number}"
-            try:
-                record = PromptRecord.model_validate_json(line)
-            except ValueError as error:
-                raise ValueError(f"{path}:{number}: not a prompt record: {error}") from None
-            source_of[key] = record.source
-            try:
-                rendered = (spans_in_pretemplated(tokenizer, record.text) if record.text is not None
-                            else render_with_spans(tokenizer, record.messages))
-                sample = tokenize_with_mask(tokenizer, rendered, max_length)
-            except TemplateError as error:
-                outcomes.append(Outcome(key=key, id=record.id, status="error", reason=f"template: {error}"))
-                continue
-            if sample.input_ids and max(sample.input_ids) >= vocab_size:
-                outcomes.append(Outcome(key=key, id=record.id, status="error",
-                                        reason=f"token id {max(sample.input_ids)} outside the target vocab {vocab_size}"))
-                continue
-            if not sample.supervised_tokens:
-                where = (f"in its first {max_length} tokens (validation.max_length)" if sample.truncated
-                         else "(no supervised assistant turn)")
-                outcomes.append(Outcome(key=key, id=record.id, status="skipped", reason=f"no supervised token {where}"))
-                continue
-            outcomes.append(Outcome(key=key, id=record.id, status="ok"))
-            samples.append(Sample(key, record.id, sample.input_ids, sample.loss_mask))
+    for number, record in read_prompt_records(path):
+        key = f"{split}.jsonl:{number}"
+        source_of[key] = record.source
+        try:
+            rendered = (spans_in_pretemplated(tokenizer, record.text) if record.text is not None
+                        else render_with_spans(tokenizer, record.messages))
+            sample = tokenize_with_mask(tokenizer, rendered, max_length)
+        except TemplateError as error:
+            outcomes.append(Outcome(key=key, id=record.id, status="error", reason=f"template: {error}"))
+            continue
+        if sample.input_ids and max(sample.input_ids) >= vocab_size:
+            outcomes.append(Outcome(key=key, id=record.id, status="error",
+                                    reason=f"token id {max(sample.input_ids)} outside the target vocab {vocab_size}"))
+            continue
+        if not sample.supervised_tokens:
+            where = (f"in its first {max_length} tokens (validation.max_length)" if sample.truncated
+                     else "(no supervised assistant turn)")
+            outcomes.append(Outcome(key=key, id=record.id, status="skipped", reason=f"no supervised token {where}"))
+            continue
+        outcomes.append(Outcome(key=key, id=record.id, status="ok"))
+        samples.append(Sample(key, record.id, sample.input_ids, sample.loss_mask))
     return samples
 
 

@@ -29,7 +29,7 @@ import torch
 
 from contract.chat_rendering import is_supervised, render_with_spans, spans_in_pretemplated
 from contract.config import RunConfig
-from contract.records import Message, PromptRecord
+from contract.records import Message, PromptRecord, read_prompt_records
 from tasks.artifacts import read_json, save_figure, write_json
 from tasks.progress import advance, progress_bar
 
@@ -190,16 +190,7 @@ def turn_prefixes(record: PromptRecord) -> list[list[Message]]:
 def read_records(path: Path) -> list[PromptRecord]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no held-out records; run the validate stage first")
-    records = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(PromptRecord.model_validate_json(line))
-            except ValueError as error:
-                raise ValueError(f"{path}:{number}: not a prompt record: {error}") from None
-    return records
+    return [record for _, record in read_prompt_records(path)]
 
 
 def load_drafter(cfg: RunConfig, target: Any) -> Any:

@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 from contract.config import RunConfig
 from contract.reasoning import ReasoningError, split_reasoning
-from contract.records import GenerationParams, Message, Outcome, PromptRecord, StageReport, TurnGeneration
+from contract.records import (GenerationParams, Message, Outcome, PromptRecord, StageReport, TurnGeneration,
+                              read_prompt_records)
 from tasks.artifacts import read_json, write_json, write_jsonl
 from tasks.generation import GenerationRequest, Generator
 from tasks.journal import Journal
@@ -86,14 +87,7 @@ def run(cfg: RunConfig) -> RegenerateResult:
 
 def read_prompts(path: Path) -> list[tuple[str, PromptRecord]]:
     """(outcome key, record) per line of prompts.jsonl; ingest wrote it, so a bad line is a hard error."""
-    records = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            try:
-                records.append((f"prompts.jsonl:{number}", PromptRecord.model_validate_json(line)))
-            except ValueError as error:
-                raise ValueError(f"{path}:{number}: not a prompt record: {error}") from None
-    return records
+    return [(f"prompts.jsonl:{number}", record) for number, record in read_prompt_records(path)]
 
 
 def generation_params(cfg: RunConfig, target_info: dict[str, Any]) -> GenerationParams:
