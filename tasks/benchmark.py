@@ -516,11 +516,18 @@ def write_outputs(directory: Path, report: dict[str, Any], rows: list[dict[str, 
 
 
 def plot_serving(report: dict[str, Any], path: Path) -> Optional[Path]:
-    """Output tok/s and TPOT P50 against concurrency, with and without the drafter, per engine."""
+    """Output tok/s and TPOT P50 against concurrency, with and without the drafter, per engine (a note when
+    no engine ran: the plot is a declared output either way)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if not report["engines"]:
+        figure, axis = plt.subplots(figsize=(6, 1.5))
+        axis.axis("off")
+        axis.text(0.5, 0.5, f"no serving benchmark: {report['skipped']}", ha="center", va="center")
+        return save_figure(figure, path)
 
     figure, (throughput, tpot) = plt.subplots(1, 2, figsize=(10, 4))
     for kind, engine in report["engines"].items():

@@ -323,6 +323,7 @@ def test_missing_inputs_are_refused_before_any_engine_starts(tmp_path: Path) -> 
         benchmark.run(cfg)
     skipped = benchmark.run(RunConfig.model_validate({"output_dir": str(tmp_path)}))
     assert skipped.report["skipped"].startswith("benchmark.engines is empty") and skipped.summary()["passed"] == 1.0
+    assert skipped.reports() == [tmp_path / "benchmark" / "report.json", tmp_path / "benchmark" / "serving.png"]
 
 
 def canned_variant(cfg: RunConfig, kind: str, variant: str, requests: list[ChatRequest], sampling: Sampling,
