@@ -4,7 +4,8 @@
     eaglet config validate --config configs/llama31-8b-sglang.yaml
     eaglet stage target --config params.yaml          # one stage, no Prefect (what dvc.yaml calls)
     eaglet train --config params.yaml --resume         # the same, by the stage's own name
-    eaglet run --config params.yaml                    # the Prefect flow over every stage
+    eaglet run --config params.yaml                    # the Prefect flow over every stage (unchanged ones cached)
+    eaglet deploy --config params.yaml --cron "0 3 * * 0"   # a scheduled deployment (see flows/deployments.py)
     eaglet registry show --config params.yaml          # versions, aliases, gates
     eaglet promote --version 3 --config params.yaml    # [--force --reason "..."]
     eaglet doctor artifacts/embedded-default/draft/sglang --target artifacts/embedded-default/target
@@ -24,6 +25,7 @@ from rich.table import Table
 
 from contract.config import RunConfig
 from contract.config_loading import ConfigError, config_as_yaml, load_config
+from flows.deployments import add_deploy_command
 from flows.registry_cli import add_registry_commands
 from flows.stages import STAGE_ORDER
 
@@ -35,6 +37,7 @@ app = typer.Typer(help="eaglet: build, validate and ship EAGLE3 draft models.", 
 config_app = typer.Typer(help="Inspect and check run configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 add_registry_commands(app)
+add_deploy_command(app)
 console = Console()
 
 ConfigOption = typer.Option(None, "--config", "-c", help="Run config YAML (defaults when omitted).")
@@ -128,13 +131,14 @@ def run(
     config: Optional[Path] = ConfigOption,
     overrides: Optional[list[str]] = OverridesArgument,
     stages: Optional[str] = typer.Option(None, "--stages", help="Comma-separated subset of stages."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Run every stage, even those whose inputs are unchanged."),
 ) -> None:
-    """Run the pipeline as a Prefect flow (every stage, or --stages)."""
+    """Run the pipeline as a Prefect flow (every stage, or --stages); stages with unchanged inputs are reused."""
     from flows.pipeline import pipeline
 
     cfg = load_or_exit(config, overrides)
     selected = stages.split(",") if stages else None
-    summaries = pipeline(str(config) if config else None, overrides or [], selected)
+    summaries = pipeline(str(config) if config else None, overrides or [], selected, use_cache=not no_cache)
     print_summaries(summaries)
     print_where_things_are(cfg)
 

@@ -11,7 +11,7 @@ config path, the overrides and the stages, so every scheduled run resolves the s
 
 Serve: the `eaglet deploy` process polls the API and runs each scheduled run in a subprocess; it must stay up.
 
-Work pool (a cluster): the flow is registered by module path (`flows.pipeline:pipeline`), so no image or code
+Work pool (a cluster): the flow is registered by module path (`flows.pipeline.pipeline`), so no image or code
 upload is needed when eaglet is installed on the worker nodes (`pip install -e .` of the same revision):
 
     prefect work-pool create gpu --type process                # once
@@ -40,6 +40,7 @@ from uuid import UUID
 import typer
 
 from contract.config import RunConfig
+from flows.stages import select_stages
 
 
 def deployment_parameters(config_path: Optional[Path], overrides: list[str], stages: Optional[list[str]]) -> dict[str, Any]:
@@ -72,37 +73,41 @@ def deploy_to_work_pool(cfg: RunConfig, cron: str, parameters: dict[str, Any], w
                            print_next_steps=False)
 
 
+ConfigOption = typer.Option(None, "--config", "-c", help="Run config YAML (defaults when omitted).")
+OverridesArgument = typer.Argument(None, help="Overrides as section.field=value (YAML values), kept for every run.")
+CronOption = typer.Option(None, "--cron", help="Cron schedule, e.g. '0 3 * * 0' (default: deployment.cron).")
+WorkPoolOption = typer.Option(None, "--work-pool", help="Register with this work pool instead of serving "
+                              "(default: deployment.work_pool).")
+StagesOption = typer.Option(None, "--stages", help="Comma-separated subset of stages for every run.")
+
+
 def add_deploy_command(app: typer.Typer) -> None:
-    """Add `eaglet deploy` to the CLI (kept here so flows/cli.py only wires it in)."""
-    from flows.cli import ConfigOption, OverridesArgument
+    """Add `eaglet deploy` to the CLI (flows/cli.py wires it in; this module keeps the work)."""
+    app.command("deploy")(deploy)
 
-    @app.command("deploy")
-    def deploy(
-        config: Optional[Path] = ConfigOption,
-        overrides: Optional[list[str]] = OverridesArgument,
-        cron: Optional[str] = typer.Option(None, "--cron", help="Cron schedule, e.g. '0 3 * * 0' (default: deployment.cron)."),
-        work_pool: Optional[str] = typer.Option(None, "--work-pool", help="Register with this work pool instead of serving (default: deployment.work_pool)."),
-        stages: Optional[str] = typer.Option(None, "--stages", help="Comma-separated subset of stages for every run."),
-    ) -> None:
-        """Schedule the pipeline: serve it from this process, or register it with a work pool."""
-        from flows.cli import console, load_or_exit
-        from flows.stages import select_stages
 
-        cfg = load_or_exit(config, overrides)
-        schedule = cron or cfg.deployment.cron
-        if not schedule:
-            console.print("[red]no schedule[/red]: pass --cron or set deployment.cron in the config")
-            raise typer.Exit(code=2)
-        try:
-            selected = select_stages(stages.split(",")) if stages else None
-        except KeyError as error:
-            console.print(f"[red]{error.args[0]}[/red]")
-            raise typer.Exit(code=2) from None
-        parameters = deployment_parameters(config, overrides or [], selected)
-        pool = work_pool or cfg.deployment.work_pool
-        if pool:
-            deployment_id = deploy_to_work_pool(cfg, schedule, parameters, pool)
-            console.print(f"deployment {cfg.deployment.name} ({deployment_id}) on work pool {pool}, cron {schedule!r}")
-            return
-        console.print(f"serving deployment eaglet-pipeline/{cfg.deployment.name}, cron {schedule!r} (Ctrl-C stops)")
-        serve_pipeline(cfg, schedule, parameters)
+def deploy(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument,
+           cron: Optional[str] = CronOption, work_pool: Optional[str] = WorkPoolOption,
+           stages: Optional[str] = StagesOption) -> None:
+    """Schedule the pipeline: serve it from this process, or register it with a work pool."""
+    from flows.cli import console, load_or_exit  # flows.cli imports this module, so not at the top
+
+    cfg = load_or_exit(config, overrides)
+    schedule = cron or cfg.deployment.cron
+    if not schedule:
+        console.print("[red]no schedule[/red]: pass --cron or set deployment.cron in the config")
+        raise typer.Exit(code=2)
+    try:
+        selected = select_stages(stages.split(",")) if stages else None
+    except KeyError as error:
+        console.print(f"[red]{error.args[0]}[/red]")
+        raise typer.Exit(code=2) from None
+    parameters = deployment_parameters(config, overrides or [], selected)
+    pool = work_pool or cfg.deployment.work_pool
+    if pool:
+        deployment_id = deploy_to_work_pool(cfg, schedule, parameters, pool)
+        console.print(f"deployment eaglet-pipeline/{cfg.deployment.name} ({deployment_id}) on work pool {pool}, "
+                      f"cron {schedule!r}")
+        return
+    console.print(f"serving deployment eaglet-pipeline/{cfg.deployment.name}, cron {schedule!r} (Ctrl-C stops)")
+    serve_pipeline(cfg, schedule, parameters)

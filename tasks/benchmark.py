@@ -106,6 +106,7 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     if not settings.engines:  # a run without a serving engine (e.g. CI-size configs): say so, gate nothing
         report = {"skipped": "benchmark.engines is empty (e.g. benchmark.engines=[vllm])", "engines": {},
                   "failures": [], "passed": True}
+        (out / "benchmark" / "logs").mkdir(parents=True, exist_ok=True)  # a declared DVC out, even when empty
         return write_outputs(out / "benchmark", report, [])
     check_inputs(cfg)
     records = select_records(out / "data" / "eval.jsonl", cfg.evaluation.max_prompts, cfg.evaluation.sources)

@@ -1,17 +1,24 @@
-"""The Prefect flow and the `eaglet stage` command over target + ingest, tracked in a real MLflow store."""
+"""The Prefect flow (caching, retries, failures) and the `eaglet stage` command, tracked in a real MLflow store."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import mlflow
 import yaml
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
 from typer.testing import CliRunner
 
+from contract.config_loading import load_config
 from flows.cli import app
 from flows.pipeline import pipeline
+from flows.stage_cache import stage_cache_key, stage_spec
+from flows.stages import STAGE_ORDER
 from pipeline_inputs import tiny_run_config, write_conversations
+from tasks.engine import free_port
 
 
 def write_config(tmp_path: Path, tiny_target_dir: Path, mlflow_uri: str) -> Path:
@@ -28,7 +35,7 @@ def test_prefect_flow_runs_the_stages_and_tracks_them(prefect_harness, tmp_path:
     state = pipeline(str(config), ["validation.max_length=512"], return_state=True)
     assert state.is_completed(), state
     summaries = state.result()
-    assert list(summaries) == ["target", "ingest", "regenerate", "validate", "capture", "train", "evaluate", "benchmark"]
+    assert list(summaries) == list(STAGE_ORDER)
     assert summaries["train"]["complete"] == 1 and summaries["train"]["steps"] >= 1 and (tmp_path / "out" / "draft" / "sglang" / "model.safetensors").is_file()
     assert summaries["ingest"] == {"input": 84, "ok": 6, "error": 1, "skipped": 77}
     regenerated = summaries["regenerate"]
@@ -57,12 +64,135 @@ def test_prefect_flow_runs_the_stages_and_tracks_them(prefect_harness, tmp_path:
     assert run.data.metrics["regenerate.tokens_per_second"] > 0
     assert yaml.safe_load(mlflow.artifacts.load_text(f"{run.info.artifact_uri}/config/run.yaml"))["run_id"] == "tiny"
 
+    cached = pipeline(str(config), ["validation.max_length=512"], return_state=True)
+    assert set(state_names(cached).values()) == {"Cached"}
+    assert cached.result() == summaries, "every stage's result round-trips through the persisted results"
 
-def test_flow_failure_names_the_stage(prefect_harness, tmp_path: Path, tiny_target_dir: Path, mlflow_uri: str) -> None:
-    config = write_config(tmp_path, tiny_target_dir, mlflow_uri)
-    state = pipeline(str(config), ["data.sources=[{name: gone, path: /nonexistent/chats.jsonl}]"], return_state=True)
+
+CHEAP_STAGES = ["target", "ingest", "regenerate", "validate"]
+
+#: Stands in for vLLM's server module: the first launch dies (as an engine does when its port or GPU memory
+#: is not yet free); later launches serve the target with tests/openai_server.py.
+FLAKY_ENGINE = """\
+import os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+marker = Path(os.environ["FLAKY_ENGINE_MARKER"])
+if not marker.exists():
+    marker.write_text("failed once")
+    print("flaky engine: the first launch fails", flush=True)
+    sys.exit(3)
+sys.path.insert(0, os.environ["FLAKY_ENGINE_TESTS"])
+import openai_server
+sys.argv = ["openai_server", "--model", args[args.index("--model") + 1], "--port", args[args.index("--port") + 1]]
+openai_server.main()
+"""
+
+
+def untracked_config(tmp_path: Path, tiny_target_dir: Path, **sections: dict) -> Path:
+    """The tiny run without MLflow (these tests look at Prefect's side only)."""
+    chats = write_conversations(tmp_path / "inputs" / "chats.jsonl")
+    config = tiny_run_config(str(tmp_path / "out"), tiny_target_dir, str(chats), {"enabled": False})
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def task_runs(flow_state: State) -> dict[str, TaskRun]:
+    """The task runs of a finished flow run, by stage name."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_runs = FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=flow_runs)
+    return {run.name.rsplit("-", 1)[0]: run for run in runs}
+
+
+def state_names(flow_state: State) -> dict[str, str]:
+    return {name: run.state.name for name, run in task_runs(flow_state).items()}
+
+
+def mtimes(out: Path, names: list[str]) -> dict[str, int]:
+    return {name: (out / name).stat().st_mtime_ns for name in names}
+
+
+def test_unchanged_stages_are_cached_and_changed_ones_rerun(prefect_harness, tmp_path: Path, tiny_target_dir: Path) -> None:
+    config, out = str(untracked_config(tmp_path, tiny_target_dir)), tmp_path / "out"
+    outputs = ["target.json", "data/prompts.jsonl", "data/regenerated.jsonl", "data/train.jsonl"]
+    first = pipeline(config, [], CHEAP_STAGES, return_state=True)
+    assert state_names(first) == dict.fromkeys(CHEAP_STAGES, "Completed")
+    written = mtimes(out, outputs)
+
+    again = pipeline(config, [], CHEAP_STAGES, return_state=True)
+    assert state_names(again) == dict.fromkeys(CHEAP_STAGES, "Cached")
+    assert mtimes(out, outputs) == written, "a cached stage writes nothing"
+    assert again.result() == first.result(), "stage results round-trip through the persisted results"
+    assert any((out / ".prefect-results").iterdir())
+
+    changed = pipeline(config, ["validation.eval_fraction=0.5"], CHEAP_STAGES, return_state=True)
+    assert state_names(changed) == {"target": "Cached", "ingest": "Cached", "regenerate": "Cached", "validate": "Completed"}
+
+    (out / "data" / "prompts.jsonl").unlink()
+    rebuilt = pipeline(config, ["validation.eval_fraction=0.5"], CHEAP_STAGES, return_state=True)
+    assert state_names(rebuilt) == {"target": "Cached", "ingest": "Completed", "regenerate": "Cached", "validate": "Cached"}, \
+        "a missing output reruns its stage; the same content downstream is still a hit"
+
+    forced = pipeline(config, [], ["ingest"], use_cache=False, return_state=True)
+    assert state_names(forced) == {"ingest": "Completed"}
+
+
+def test_a_failing_stage_is_named_not_retried_and_earlier_artifacts_stay(prefect_harness, tmp_path: Path,
+                                                                         tiny_target_dir: Path) -> None:
+    broken_contract = {"max_length": 8, "expectation_thresholds": {"supervised_tokens_after_truncation": 0.0}}
+    config = untracked_config(tmp_path, tiny_target_dir, validation=broken_contract)
+    state = pipeline(str(config), [], CHEAP_STAGES, return_state=True)
     assert state.is_failed()
-    assert (tmp_path / "out" / "target.json").is_file(), "the stage before the failure keeps its artifacts"
+    assert "stage validate failed: DataContractError" in state.message
+    runs = task_runs(state)
+    assert runs["validate"].state.is_failed() and runs["validate"].run_count == 1, "a deterministic failure is not retried"
+    for kept in ("target.json", "data/prompts.jsonl", "data/regenerated.jsonl"):
+        assert (tmp_path / "out" / kept).is_file(), f"{kept} of an earlier stage was kept"
+
+
+def test_every_stage_is_keyed_by_what_dvc_yaml_says_it_reads(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"output_dir={tmp_path}"])
+    for name in STAGE_ORDER:
+        assert stage_spec(name).outputs, f"dvc.yaml declares no outputs for {name}"
+        assert stage_cache_key(name, cfg) == stage_cache_key(name, cfg), "the key is deterministic"
+    key = stage_cache_key("validate", cfg)
+    assert stage_cache_key("validate", load_config(None, [f"output_dir={tmp_path}", "training.learning_rate=0.5"])) == key
+    assert stage_cache_key("validate", load_config(None, [f"output_dir={tmp_path}", "validation.seed=7"])) != key
+    regenerated = tmp_path / "data" / "regenerated.jsonl"
+    regenerated.parent.mkdir(parents=True)
+    regenerated.write_text("{}\n")
+    assert stage_cache_key("validate", cfg) != key, "a dep under ${output_dir} is hashed by content"
+
+
+def flaky_engine(tmp_path: Path) -> dict:
+    """runtime.engines.vllm that starts FLAKY_ENGINE through the real vLLM command line."""
+    package = tmp_path / "flaky" / "vllm" / "entrypoints" / "openai"
+    package.mkdir(parents=True)
+    for directory in (package.parent.parent, package.parent, package):
+        (directory / "__init__.py").write_text("")
+    (package / "api_server.py").write_text(FLAKY_ENGINE)
+    env = {"PYTHONPATH": str(tmp_path / "flaky"), "FLAKY_ENGINE_MARKER": str(tmp_path / "failed-once"),
+           "FLAKY_ENGINE_TESTS": str(Path(__file__).parent)}
+    return {"vllm": {"python": sys.executable, "port": free_port(), "env": env, "startup_timeout_s": 120}}
+
+
+def test_an_engine_that_fails_to_start_is_retried(prefect_harness, tmp_path: Path, tiny_target_dir: Path) -> None:
+    config = untracked_config(tmp_path, tiny_target_dir, runtime={"engines": flaky_engine(tmp_path)},
+                              regeneration={"backend": "openai", "engine": "vllm", "concurrency": 2})
+    state = pipeline(str(config), [], ["target", "ingest", "regenerate"], return_state=True)
+    assert state.is_completed(), state.message
+    assert task_runs(state)["regenerate"].run_count == 2, "EngineStartError on the first try, served on the second"
+    assert state.result()["regenerate"]["ok"] == 5
+    log = (tmp_path / "out" / "logs" / "regenerate-vllm.log").read_text()
+    assert "the first launch fails" in log and log.count("starting:") == 2
 
 
 def test_stage_command_runs_one_stage_and_tracks_it(tmp_path: Path, tiny_target_dir: Path, mlflow_uri: str) -> None:
