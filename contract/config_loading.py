@@ -7,6 +7,7 @@ the closest valid key ("unknown field 'lerning_rate' in training; did you mean '
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -18,6 +19,23 @@ from contract.config import RunConfig
 
 class ConfigError(ValueError):
     """A run config that cannot be used; the message lists every problem found."""
+
+
+class ConfigYamlLoader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true/false. PyYAML (YAML 1.1) reads `off`/`on`/`yes`/`no` as booleans, but
+    DVC rewrites params.yaml (`dvc exp run -S`) in YAML 1.2, where `reasoning: off` is left unquoted."""
+
+
+ConfigYamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+ConfigYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=ConfigYamlLoader)
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
@@ -34,7 +52,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = parse_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from error
     if data is None:
@@ -51,7 +69,7 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     if not separator or not key:
         raise ConfigError(f"override '{override}': expected section.field=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError as error:
         raise ConfigError(f"override '{override}': value is not valid YAML: {error}") from error
     parts = key.split(".")

@@ -127,3 +127,14 @@ def test_cli_config_commands(tmp_path: Path) -> None:
     assert "did you mean 'learning_rate'" in bad.output
     good = runner.invoke(app, ["config", "validate", "--config", str(REPO_ROOT / "configs/ci-tiny.yaml")])
     assert good.exit_code == 0 and "ok" in good.output
+
+
+def test_yaml_12_booleans_so_dvc_rewritten_params_still_load(tmp_path) -> None:
+    """`dvc exp run -S` rewrites params.yaml in YAML 1.2 and leaves `off` unquoted: it must stay the string."""
+    from contract.config_loading import load_config
+
+    path = tmp_path / "params.yaml"
+    path.write_text("regeneration:\n  reasoning: off\ntracking:\n  enabled: false\n")
+    cfg = load_config(path, ["regeneration.supervise=last"])
+    assert cfg.regeneration.reasoning == "off" and cfg.tracking.enabled is False
+    assert load_config(path, ["regeneration.reasoning=save"]).regeneration.reasoning == "save"
