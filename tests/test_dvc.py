@@ -90,8 +90,8 @@ def test_dvc_repro_runs_the_stages(tmp_path: Path, tiny_target_dir: Path) -> Non
     assert json.loads(regenerated)["input"] == 8, "regenerate followed its changed input"
 
     commit_all(repo, "tiny run")
-    dvc("exp", "run", "-S", "training.max_steps=2", cwd=repo)
-    assert yaml.safe_load((repo / "params.yaml").read_text())["training"]["max_steps"] == 2
+    dvc("exp", "run", "-S", "training.epochs=2", cwd=repo)  # one batch per epoch on this tiny run
+    assert yaml.safe_load((repo / "params.yaml").read_text())["training"]["epochs"] == 2
     summary = json.loads((repo / "artifacts/tiny/train/summary.json").read_text())
     assert summary["steps"] == 2 and summary["complete"], "the experiment retrained with its own params"
     assert dvc("exp", "list", cwd=repo).strip(), "the experiment is recorded"
