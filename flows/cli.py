@@ -146,21 +146,23 @@ def run(
 def print_where_things_are(cfg: RunConfig) -> None:
     """The end of a run: where a person looks next (Data Docs, reports, MLflow UI, the champion)."""
     out = cfg.output_path.resolve()
-    console.print(f"artifacts:  {out}")
+    lines = [("artifacts", str(out))]
     data_docs = out / "reports" / "data_docs" / "index.html"
     if data_docs.is_file():
-        console.print(f"Data Docs:  {data_docs.as_uri()}")
+        lines.append(("Data Docs", data_docs.as_uri()))
     for label, relative in (("data contract", "reports/data_contract.json"), ("acceptance", "evaluate/acceptance.json"),
                             ("serving", "benchmark/report.json"), ("registration", "register/registration.json")):
         if (out / relative).is_file():
-            console.print(f"{label + ':':<14}{out / relative}")
+            lines.append((label, str(out / relative)))
     if cfg.tracking.enabled:
         from tasks.mlflow_store import tracking_uri
 
-        console.print(f"MLflow UI:  mlflow ui --backend-store-uri {tracking_uri(cfg)}")
+        lines.append(("MLflow UI", f"mlflow ui --backend-store-uri {tracking_uri(cfg)}"))
     registration = out / "register" / "registration.json"
     if registration.is_file():
-        console.print(champion_line(cfg, json.loads(registration.read_text())), markup=False, highlight=False)
+        lines.append(("champion", champion_line(cfg, json.loads(registration.read_text()))))
+    for label, text in lines:  # paths are copied from here: never wrapped
+        console.print(f"{label + ':':<15}{text}", soft_wrap=True, markup=False, highlight=False)
 
 
 def champion_line(cfg: RunConfig, registration: dict) -> str:
@@ -168,13 +170,13 @@ def champion_line(cfg: RunConfig, registration: dict) -> str:
     name = registration.get("model_name", cfg.registry.model_name)
     version = registration.get("version")
     if version is None:
-        return f"champion:   not registered ({registration.get('skipped', 'no version')})"
+        return f"not registered ({registration.get('skipped', 'no version')})"
     if "champion" in registration.get("aliases", []):
-        return f"champion:   models:/{name}@champion = version {version} (this run)"
+        return f"models:/{name}@champion = version {version} (this run)"
     held_back = "; ".join(registration.get("failed_gates", [])) or "see registration.json"
     before = registration.get("champion_before")
     current = f"version {before}" if before else "none yet"
-    return (f"champion:   models:/{name}@champion = {current}; this run's version {version} stays candidate "
+    return (f"models:/{name}@champion = {current}; this run's version {version} stays candidate "
             f"({held_back}); eaglet promote --version {version} --force --reason '...' overrides")
 
 

@@ -356,3 +356,25 @@ def test_doctor_passes_the_right_target_and_refuses_another(exported_run: RunCon
     assert "FAILED eagle_config.eagle_aux_hidden_state_layer_ids: [1, 2, 3] for vllm; expected [2, 3, 4]" in wrong_ids.output
     with pytest.raises(ContractMismatch, match="eagle_aux_hidden_state_layer_ids"):
         register.run(cfg)
+
+
+def test_a_run_ends_saying_where_things_are_and_who_is_champion(tmp_path: Path, capsys) -> None:
+    from flows.cli import print_where_things_are
+
+    cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "tracking": {"enabled": True}})
+    (tmp_path / "reports" / "data_docs").mkdir(parents=True)
+    (tmp_path / "reports" / "data_docs" / "index.html").write_text("<html></html>")
+    (tmp_path / "register").mkdir()
+    held_back = {"model_name": "m", "version": 2, "aliases": ["candidate"], "champion_before": 1,
+                 "failed_gates": ["speedup[vllm]: failed (measured 0.81, threshold 1)"]}
+    (tmp_path / "register" / "registration.json").write_text(json.dumps(held_back))
+    print_where_things_are(cfg)
+    printed = capsys.readouterr().out
+    assert f"Data Docs:     {(tmp_path / 'reports' / 'data_docs' / 'index.html').as_uri()}" in printed
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}" in printed
+    assert ("champion:      models:/m@champion = version 1; this run's version 2 stays candidate "
+            "(speedup[vllm]: failed (measured 0.81, threshold 1))") in printed
+    promoted = {**held_back, "aliases": ["champion"], "failed_gates": []}
+    (tmp_path / "register" / "registration.json").write_text(json.dumps(promoted))
+    print_where_things_are(cfg)
+    assert "champion:      models:/m@champion = version 2 (this run)" in capsys.readouterr().out
