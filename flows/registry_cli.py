@@ -48,7 +48,7 @@ def registry_show(config: Optional[Path] = ConfigOption, overrides: Optional[lis
     """Table of the registered versions: aliases, offline accept length, speedup, gates, target revision."""
     from mlflow.exceptions import MlflowException
 
-    from tasks.register import registry_client, version_rows
+    from tasks.registry_store import registry_client, version_rows
 
     cfg = load_cfg(config, overrides)
     name = cfg.registry.model_name
@@ -78,7 +78,8 @@ def promote(
     """Make a version champion if its gates passed (or --force --reason); the old champion becomes previous."""
     from mlflow.exceptions import MlflowException
 
-    from tasks.register import CHAMPION, TAG_FAILED_GATES, TAG_GATES_PASSED, alias_version, promote_version, registry_client
+    from tasks.registry_store import (CHAMPION, TAG_FAILED_GATES, TAG_GATES_PASSED, alias_version, promote_version,
+                                      registry_client)
 
     console = make_console()
     if force and not (reason and reason.strip()):
@@ -113,7 +114,7 @@ def doctor(
                                 "target.json, or an HF model directory."),
 ) -> None:
     """Run the contract checks (DESIGN §3, §5) on a checkpoint for a target; exit 1 on any failure."""
-    from tasks.register import doctor as run_checks
+    from tasks.checkpoint_doctor import doctor as run_checks
 
     console = make_console()
     try:

@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import tempfile
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,14 +34,14 @@ from typing import Any, Iterator, Optional
 
 from contract.checkpoint import CheckpointContract, ContractMismatch
 from contract.config import RunConfig
-from contract.hashing import hash_files, hash_text
-from tasks.artifacts import atomic_directory, read_json, write_json
-from tasks.registry_gates import (Champion, Check, Gate, GateInputs, checkpoint_checks, evaluate_gates, gates_passed,
-                                  offline_accept_length)
+from contract.hashing import hash_text
+from tasks.artifacts import read_json, write_json
+from tasks.checkpoint_doctor import ENGINES, EXPORT_FILES, inspect_checkpoint
+from tasks.registry_gates import Gate, GateInputs, evaluate_gates, gates_passed, offline_accept_length
+from tasks.registry_store import (CANDIDATE, CHAMPION, TAG_ACCEPT_LENGTH, TAG_EVAL_FINGERPRINT, TAG_FAILED_GATES,
+                                  TAG_GATES, TAG_GATES_PASSED, TAG_SPEEDUP, aliases_of, current_champion,
+                                  promote_version)
 
-# The export layout of models/draft_checkpoint.py, named here so the registry commands need not import torch.
-ENGINES = ("sglang", "vllm")
-EXPORT_FILES = ("config.json", "model.safetensors", "contract.json")
 ACCEPTANCE_REPORT = Path("evaluate") / "acceptance.json"
 SERVING_REPORT = Path("benchmark") / "report.json"
 DATA_CONTRACT_REPORT = Path("reports") / "data_contract.json"
@@ -50,14 +49,6 @@ DATA_DOCS_INDEX = Path("reports") / "data_docs" / "index.html"
 REGISTRATION_REPORT = Path("register") / "registration.json"
 STAGE = "register"
 
-CANDIDATE, CHAMPION, PREVIOUS = "candidate", "champion", "previous"
-TAG_GATES_PASSED = "eaglet.gates_passed"
-TAG_GATES = "eaglet.gates"
-TAG_FAILED_GATES = "eaglet.failed_gates"
-TAG_EVAL_FINGERPRINT = "eaglet.eval_fingerprint"
-TAG_ACCEPT_LENGTH = "eaglet.offline_accept_length"
-TAG_SPEEDUP = "eaglet.speedup"
-TAG_TARGET_REVISION = "contract.target_revision"
 CONTRACT_TAG_PREFIX = "contract."
 
 
@@ -267,71 +258,6 @@ def dvc_lock_hash(root: Path) -> str:
     return hash_text(json.dumps(upstream, sort_keys=True, default=str))
 
 
-# --- checkpoint checks (also `eaglet doctor`) -----------------------------------------------------------
-
-
-def tensor_headers(weights: Path) -> dict[str, tuple[str, list[int]]]:
-    """Name -> (safetensors dtype, shape) from the file header, without loading any tensor."""
-    from safetensors import safe_open
-
-    headers = {}
-    with safe_open(str(weights), framework="pt") as handle:
-        for name in handle.keys():
-            tensor = handle.get_slice(name)
-            headers[name] = (tensor.get_dtype(), list(tensor.get_shape()))
-    return headers
-
-
-def inspect_checkpoint(directory: Path, target_info: dict[str, Any]) -> list[Check]:
-    """The checks of one export directory against a target's target.json."""
-    missing = [name for name in EXPORT_FILES if not (directory / name).is_file()]
-    if missing:
-        return [Check("files", False, f"{directory} lacks {', '.join(missing)}")]
-    try:
-        contract = CheckpointContract.model_validate_json((directory / "contract.json").read_text())
-    except ValueError as error:
-        return [Check("contract.json", False, f"not a checkpoint contract: {error}")]
-    config = read_json(directory / "config.json")
-    return checkpoint_checks(config, contract, tensor_headers(directory / "model.safetensors"), target_info)
-
-
-def export_dirs(directory: Path) -> list[Path]:
-    """One export, or each engine export under a `draft/` folder."""
-    if (directory / "config.json").is_file():
-        return [directory]
-    found = [directory / engine for engine in ENGINES if (directory / engine / "config.json").is_file()]
-    return found or [directory]
-
-
-def resolve_target_info(target: Path) -> dict[str, Any]:
-    """target.json of a run (the file, the run's output dir, or its `target/` dir), else what the target
-    stage would record for a local HF directory (same revision and tokenizer hashes)."""
-    if target.is_file():
-        return read_json(target)
-    if (target / "target.json").is_file():
-        return read_json(target / "target.json")
-    if target.name == "target" and (target.parent / "target.json").is_file():
-        return read_json(target.parent / "target.json")
-    if (target / "config.json").is_file():
-        return describe_hf_directory(target)
-    raise FileNotFoundError(f"{target}: neither a target.json, a run's output dir nor an HF model directory")
-
-
-def describe_hf_directory(directory: Path) -> dict[str, Any]:
-    from contract.config import ModelConfig
-    from tasks.target import describe_target, source_files_of
-
-    revision = hash_files(source_files_of(directory), root=directory)
-    model = ModelConfig(source="local", path=str(directory))
-    return describe_target(directory, model, revision).model_dump(mode="json")
-
-
-def doctor(directory: Path, target: Path) -> dict[Path, list[Check]]:
-    """Every check of each export under `directory` against the target `target`."""
-    target_info = resolve_target_info(target)
-    return {export: inspect_checkpoint(export, target_info) for export in export_dirs(directory)}
-
-
 # --- MLflow ---------------------------------------------------------------------------------------------
 
 
@@ -353,34 +279,6 @@ def registration_run(cfg: RunConfig) -> Iterator[Any]:
     tags = {"eaglet.run_id": cfg.run_id, "eaglet.kind": "stage", "eaglet.stage": STAGE}
     with mlflow.start_run(run_name=f"{cfg.run_id}/{STAGE}", tags=tags) as own:
         yield own
-
-
-def alias_version(client: Any, name: str, alias: str) -> Optional[int]:
-    """The version holding `alias`, None when nobody (or no registered model) does."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        aliases = client.get_registered_model(name).aliases
-    except MlflowException:
-        return None
-    version = aliases.get(alias)
-    return int(version) if version is not None else None
-
-
-def aliases_of(client: Any, name: str, version: int) -> list[str]:
-    aliases = client.get_registered_model(name).aliases
-    return sorted(alias for alias, held in aliases.items() if int(held) == version)
-
-
-def current_champion(client: Any, name: str) -> Optional[Champion]:
-    """The champion's eval-set identity and offline acceptance, from its version tags."""
-    version = alias_version(client, name, CHAMPION)
-    if version is None:
-        return None
-    tags = client.get_model_version(name, str(version)).tags
-    accept_length = tags.get(TAG_ACCEPT_LENGTH)
-    return Champion(version, tags.get(TAG_TARGET_REVISION), tags.get(TAG_EVAL_FINGERPRINT),
-                    float(accept_length) if accept_length not in (None, "none") else None)
 
 
 def registered_contract(inputs: RegisterInputs, gates: list[Gate], fingerprint: str) -> CheckpointContract:
@@ -472,87 +370,3 @@ def register_version(name: str, model_id: str, tags: dict[str, str]) -> int:
     return int(mlflow.register_model(f"models:/{model_id}", name, tags=tags).version)
 
 
-def promote_version(client: Any, name: str, version: int, reason: Optional[str] = None,
-                    forced: bool = False) -> Optional[int]:
-    """`version` becomes champion, the champion it replaces keeps `previous`; returns that previous version."""
-    previous = alias_version(client, name, CHAMPION)
-    if previous == version:
-        return None
-    if previous is not None:
-        client.set_registered_model_alias(name, PREVIOUS, str(previous))
-    client.set_registered_model_alias(name, CHAMPION, str(version))
-    if alias_version(client, name, CANDIDATE) == version:
-        client.delete_registered_model_alias(name, CANDIDATE)
-    client.set_model_version_tag(name, str(version), "eaglet.promotion", "forced" if forced else "gates")
-    client.set_model_version_tag(name, str(version), "eaglet.promoted_at", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    if reason:
-        client.set_model_version_tag(name, str(version), "eaglet.promotion_reason", reason)
-    return previous
-
-
-def registry_client(cfg: RunConfig) -> Any:
-    """A client on the config's store (the registry lives in the same sqlite database)."""
-    from mlflow import MlflowClient
-
-    from tasks.mlflow_store import tracking_uri
-
-    return MlflowClient(tracking_uri=tracking_uri(cfg))
-
-
-def version_rows(client: Any, name: str) -> list[dict[str, str]]:
-    """One row per version, newest first, as `eaglet registry show` prints them."""
-    aliases = client.get_registered_model(name).aliases
-    by_version: dict[int, list[str]] = {}
-    for alias, version in aliases.items():
-        by_version.setdefault(int(version), []).append(alias)
-    rows = []
-    for version in sorted(client.search_model_versions(f"name='{name}'"), key=lambda item: -int(item.version)):
-        tags = version.tags
-        rows.append({
-            "version": str(version.version),
-            "aliases": ", ".join(sorted(by_version.get(int(version.version), []))),
-            "offline accept length": number_cell(tags.get(TAG_ACCEPT_LENGTH, "?")),
-            "speedup": tags.get(TAG_SPEEDUP, "?"),
-            "gates passed": {"true": "yes", "false": "no"}.get(tags.get(TAG_GATES_PASSED, ""), "?"),
-            "target revision": tags.get(TAG_TARGET_REVISION, "?")[:12],
-            "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(version.creation_timestamp / 1000)),
-        })
-    return rows
-
-
-def number_cell(text: str) -> str:
-    """A float tag with three decimals; anything else ("none", "?") as it is."""
-    try:
-        return f"{float(text):.3f}"
-    except ValueError:
-        return text
-
-
-def download_drafter(cfg_or_uri: RunConfig | str, model_name: str, alias: str, engine: str = "sglang",
-                     dst: Optional[Path] = None) -> Path:
-    """`models:/NAME@ALIAS`'s folder for one engine (config.json, model.safetensors, contract.json) under
-    `dst` (a new temp dir when None); returns the folder to pass to SGLang or vLLM."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    from tasks.mlflow_store import tracking_uri
-
-    uri = cfg_or_uri if isinstance(cfg_or_uri, str) else tracking_uri(cfg_or_uri)
-    try:
-        mlflow.MlflowClient(uri).get_model_version_by_alias(model_name, alias)
-    except MlflowException as error:
-        raise LookupError(f"no version of {model_name} has alias '{alias}' in {uri}: {error.message}") from None
-    destination = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix="eaglet-drafter-"))
-    with atomic_directory(destination / engine) as staging:
-        fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_name}@{alias}/{engine}",
-                                                           dst_path=str(staging), tracking_uri=uri, registry_uri=uri))
-        for path in list(fetched.iterdir()):
-            os.replace(path, staging / path.name)
-        fetched.rmdir()
-        missing = [name for name in EXPORT_FILES if not (staging / name).is_file()]
-        if missing:
-            raise FileNotFoundError(f"models:/{model_name}@{alias}/{engine} lacks {', '.join(missing)}: "
-                                    "not a drafter registered by eaglet")
-    return destination / engine

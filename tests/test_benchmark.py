@@ -22,7 +22,7 @@ import pytest
 
 from contract.config import RunConfig
 from contract.records import PromptRecord
-from tasks import benchmark
+from tasks import benchmark, spec_counters
 from tasks.engine import free_port, parse_prometheus
 from tasks.serving_client import (ChatRequest, RequestResult, Sampling, distribution_ms, percentile, run_level,
                                   stream_chat, summarize_level, time_per_output_token)
@@ -241,17 +241,17 @@ def vllm_metrics(**values: float) -> dict[str, float]:
 def test_vllm_acceptance_comes_from_counter_differences() -> None:
     before = vllm_metrics(drafts=42, draft_tokens=126, accepted=5, pos0=5, pos1=0, pos2=0)
     after = vllm_metrics(drafts=52, draft_tokens=156, accepted=20, pos0=12, pos1=6, pos2=2)
-    window = benchmark.speculative_window("vllm", before, after)
+    window = spec_counters.speculative_window("vllm", before, after)
     assert window == {"drafts": 10, "draft_tokens": 30, "accepted": 15, "accepted_per_position": [7, 6, 2]}
-    numbers = benchmark.acceptance("vllm", window)
+    numbers = spec_counters.acceptance("vllm", window)
     assert numbers["mean_accept_length"] == pytest.approx(2.5), "15 accepted over 10 drafts, plus the bonus token"
     assert numbers["draft_acceptance_rate"] == pytest.approx(0.5)
     assert numbers["acceptance_rate_per_position"] == pytest.approx([0.7, 0.6, 0.2])
-    idle = benchmark.speculative_window("vllm", after, after)
-    assert benchmark.acceptance("vllm", idle)["mean_accept_length"] is None
+    idle = spec_counters.speculative_window("vllm", after, after)
+    assert spec_counters.acceptance("vllm", idle)["mean_accept_length"] is None
 
     levels = [{"speculative": {"window": window}}, {"speculative": {"window": idle}}]
-    overall = benchmark.overall_acceptance("vllm", levels)
+    overall = spec_counters.overall_acceptance("vllm", levels)
     assert overall["mean_accept_length"] == pytest.approx(2.5)
 
 
@@ -261,9 +261,9 @@ def test_sglang_acceptance_comes_from_its_gauges() -> None:
         'sglang:spec_accept_length{dp_rank="0",model_name="m",tp_rank="1"} 2.7\n'
         'sglang:spec_accept_rate{dp_rank="0",model_name="m",tp_rank="0"} 0.5\n'
     )
-    window = benchmark.speculative_window("sglang", {}, metrics)
+    window = spec_counters.speculative_window("sglang", {}, metrics)
     assert window["accept_length"] == pytest.approx(2.6) and window["accept_rate"] == 0.5
-    assert benchmark.acceptance("sglang", window)["mean_accept_length"] == pytest.approx(2.6)
+    assert spec_counters.acceptance("sglang", window)["mean_accept_length"] == pytest.approx(2.6)
     assert benchmark.drafting_check("sglang", {"mean_accept_length": None, "window": {}}) is not None
 
 
@@ -340,11 +340,11 @@ def canned_variant(cfg: RunConfig, kind: str, variant: str, requests: list[ChatR
         level = {"concurrency": concurrency, **summarize_level(results, wall_s=1.0 if draft else 2.0)}
         if draft is not None:
             window = {"drafts": 4.0, "draft_tokens": 12.0, "accepted": 6.0, "accepted_per_position": [3.0, 2.0, 1.0]}
-            level["speculative"] = {"window": window, **benchmark.acceptance(kind, window)}
+            level["speculative"] = {"window": window, **spec_counters.acceptance(kind, window)}
         run.report["levels"].append(level)
         run.results[concurrency] = results
     if draft is not None:
-        run.report["speculative"] = benchmark.overall_acceptance(kind, run.report["levels"])
+        run.report["speculative"] = spec_counters.overall_acceptance(kind, run.report["levels"])
     return run
 
 

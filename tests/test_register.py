@@ -22,7 +22,7 @@ from contract.checkpoint import CheckpointContract, ContractMismatch
 from contract.config import RegistryConfig, RunConfig, TrackingConfig
 from contract.config_loading import config_as_yaml
 from flows.registry_cli import add_registry_commands
-from tasks import evaluate, register, train
+from tasks import evaluate, register, registry_store, train
 from tasks.registry_gates import Champion, GateInputs, evaluate_gates, gates_passed
 from training_run import captured_run
 
@@ -314,7 +314,7 @@ def test_download_by_alias_gives_back_the_export_byte_for_byte(exported_run: Run
     register.run(cfg)
     target_info = json.loads((cfg.output_path / "target.json").read_text())
     for engine in ("sglang", "vllm"):
-        directory = register.download_drafter(cfg, MODEL, "champion", engine, tmp_path / "served")
+        directory = registry_store.download_drafter(cfg, MODEL, "champion", engine, tmp_path / "served")
         export = cfg.output_path / "draft" / engine
         assert directory == tmp_path / "served" / engine
         assert sorted(path.name for path in directory.iterdir()) == ["config.json", "contract.json", "model.safetensors"]
@@ -322,10 +322,10 @@ def test_download_by_alias_gives_back_the_export_byte_for_byte(exported_run: Run
             assert (directory / name).read_bytes() == (export / name).read_bytes(), (engine, name)
         draft, contract = load_pretrained(directory, target_info)
         assert contract.engine == engine and draft.config.draft_vocab_size == 128
-    again = register.download_drafter(mlflow_uri, MODEL, "champion", "sglang", tmp_path / "served")
+    again = registry_store.download_drafter(mlflow_uri, MODEL, "champion", "sglang", tmp_path / "served")
     assert (again / "model.safetensors").read_bytes() == (cfg.output_path / "draft" / "sglang" / "model.safetensors").read_bytes()
     with pytest.raises(LookupError, match="alias 'previous'"):
-        register.download_drafter(cfg, MODEL, "previous", "sglang", tmp_path / "nothing")
+        registry_store.download_drafter(cfg, MODEL, "previous", "sglang", tmp_path / "nothing")
 
 
 def test_doctor_passes_the_right_target_and_refuses_another(exported_run: RunConfig, tmp_path: Path,

@@ -1,0 +1,142 @@
+"""The MLflow model registry as eaglet uses it: aliases (never stages), version tags, promotion, download.
+
+Every registered version gets `candidate`; `champion` moves only through the gates or a forced promotion
+(with a reason, recorded as a tag), and the champion it replaces keeps `previous`.
+`models:/NAME@champion` downloads to a folder SGLang or vLLM loads as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from contract.config import RunConfig
+from tasks.artifacts import atomic_directory
+from tasks.checkpoint_doctor import ENGINES, EXPORT_FILES
+from tasks.registry_gates import Champion
+
+CANDIDATE, CHAMPION, PREVIOUS = "candidate", "champion", "previous"
+TAG_GATES_PASSED = "eaglet.gates_passed"
+TAG_GATES = "eaglet.gates"
+TAG_FAILED_GATES = "eaglet.failed_gates"
+TAG_EVAL_FINGERPRINT = "eaglet.eval_fingerprint"
+TAG_ACCEPT_LENGTH = "eaglet.offline_accept_length"
+TAG_SPEEDUP = "eaglet.speedup"
+TAG_TARGET_REVISION = "contract.target_revision"
+
+
+def alias_version(client: Any, name: str, alias: str) -> Optional[int]:
+    """The version holding `alias`, None when nobody (or no registered model) does."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        aliases = client.get_registered_model(name).aliases
+    except MlflowException:
+        return None
+    version = aliases.get(alias)
+    return int(version) if version is not None else None
+
+
+def aliases_of(client: Any, name: str, version: int) -> list[str]:
+    aliases = client.get_registered_model(name).aliases
+    return sorted(alias for alias, held in aliases.items() if int(held) == version)
+
+
+def current_champion(client: Any, name: str) -> Optional[Champion]:
+    """The champion's eval-set identity and offline acceptance, from its version tags."""
+    version = alias_version(client, name, CHAMPION)
+    if version is None:
+        return None
+    tags = client.get_model_version(name, str(version)).tags
+    accept_length = tags.get(TAG_ACCEPT_LENGTH)
+    return Champion(version, tags.get(TAG_TARGET_REVISION), tags.get(TAG_EVAL_FINGERPRINT),
+                    float(accept_length) if accept_length not in (None, "none") else None)
+
+
+def promote_version(client: Any, name: str, version: int, reason: Optional[str] = None,
+                    forced: bool = False) -> Optional[int]:
+    """`version` becomes champion, the champion it replaces keeps `previous`; returns that previous version."""
+    previous = alias_version(client, name, CHAMPION)
+    if previous == version:
+        return None
+    if previous is not None:
+        client.set_registered_model_alias(name, PREVIOUS, str(previous))
+    client.set_registered_model_alias(name, CHAMPION, str(version))
+    if alias_version(client, name, CANDIDATE) == version:
+        client.delete_registered_model_alias(name, CANDIDATE)
+    client.set_model_version_tag(name, str(version), "eaglet.promotion", "forced" if forced else "gates")
+    client.set_model_version_tag(name, str(version), "eaglet.promoted_at", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    if reason:
+        client.set_model_version_tag(name, str(version), "eaglet.promotion_reason", reason)
+    return previous
+
+
+def registry_client(cfg: RunConfig) -> Any:
+    """A client on the config's store (the registry lives in the same sqlite database)."""
+    from mlflow import MlflowClient
+
+    from tasks.mlflow_store import tracking_uri
+
+    return MlflowClient(tracking_uri=tracking_uri(cfg))
+
+
+def version_rows(client: Any, name: str) -> list[dict[str, str]]:
+    """One row per version, newest first, as `eaglet registry show` prints them."""
+    aliases = client.get_registered_model(name).aliases
+    by_version: dict[int, list[str]] = {}
+    for alias, version in aliases.items():
+        by_version.setdefault(int(version), []).append(alias)
+    rows = []
+    for version in sorted(client.search_model_versions(f"name='{name}'"), key=lambda item: -int(item.version)):
+        tags = version.tags
+        rows.append({
+            "version": str(version.version),
+            "aliases": ", ".join(sorted(by_version.get(int(version.version), []))),
+            "offline accept length": number_cell(tags.get(TAG_ACCEPT_LENGTH, "?")),
+            "speedup": tags.get(TAG_SPEEDUP, "?"),
+            "gates passed": {"true": "yes", "false": "no"}.get(tags.get(TAG_GATES_PASSED, ""), "?"),
+            "target revision": tags.get(TAG_TARGET_REVISION, "?")[:12],
+            "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(version.creation_timestamp / 1000)),
+        })
+    return rows
+
+
+def number_cell(text: str) -> str:
+    """A float tag with three decimals; anything else ("none", "?") as it is."""
+    try:
+        return f"{float(text):.3f}"
+    except ValueError:
+        return text
+
+
+def download_drafter(cfg_or_uri: RunConfig | str, model_name: str, alias: str, engine: str = "sglang",
+                     dst: Optional[Path] = None) -> Path:
+    """`models:/NAME@ALIAS`'s folder for one engine (config.json, model.safetensors, contract.json) under
+    `dst` (a new temp dir when None); returns the folder to pass to SGLang or vLLM."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    from tasks.mlflow_store import tracking_uri
+
+    uri = cfg_or_uri if isinstance(cfg_or_uri, str) else tracking_uri(cfg_or_uri)
+    try:
+        mlflow.MlflowClient(uri).get_model_version_by_alias(model_name, alias)
+    except MlflowException as error:
+        raise LookupError(f"no version of {model_name} has alias '{alias}' in {uri}: {error.message}") from None
+    destination = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix="eaglet-drafter-"))
+    with atomic_directory(destination / engine) as staging:
+        fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_name}@{alias}/{engine}",
+                                                           dst_path=str(staging), tracking_uri=uri, registry_uri=uri))
+        for path in list(fetched.iterdir()):
+            os.replace(path, staging / path.name)
+        fetched.rmdir()
+        missing = [name for name in EXPORT_FILES if not (staging / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"models:/{model_name}@{alias}/{engine} lacks {', '.join(missing)}: "
+                                    "not a drafter registered by eaglet")
+    return destination / engine
