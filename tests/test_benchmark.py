@@ -170,8 +170,10 @@ def test_a_streamed_request_is_timed_per_content_chunk(scripted: ScriptedServer)
     assert result.ok and result.text == "Hello there friend!"
     assert result.output_tokens == 8 and result.usage_reported, "tokens come from usage, not from chunks"
     assert result.content_chunks == 4 and len(result.itl_s) == 3, "the empty role chunk is not a token"
-    assert 0.2 <= result.ttft_s < 1.5
-    assert all(0.05 <= gap < 1.0 for gap in result.itl_s)
+    # Only what causality guarantees (the server waits 0.2 s, then 0.05 s between pieces); a loaded client may
+    # read two pieces at once, so single gaps have no lower bound.
+    assert result.ttft_s >= 0.2 and all(gap >= 0.0 for gap in result.itl_s)
+    assert result.latency_s >= 0.2 + 3 * 0.05
     assert result.latency_s >= result.ttft_s + sum(result.itl_s) - 1e-6
     assert result.tpot_s == pytest.approx((result.latency_s - result.ttft_s) / 7)
     assert result.finish_reason == "length"
