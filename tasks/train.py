@@ -201,8 +201,9 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     module = parallelise(TTTStep(draft, cfg.training.ttt_length, cfg.training.attention_backend), strategy, env)
     trainable = [parameter for parameter in module.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
-    record_ids = [record_id for record_id, _ in train_set.index()]
-    lengths = [length for _, length in train_set.index()]
+    index = train_set.index()  # offline: reads every shard once
+    record_ids = [record_id for record_id, _ in index]
+    lengths = [length for _, length in index]
     plans = [optimizer_steps(epoch_batches(lengths, cfg.training.tokens_per_step, cfg.runtime.seed, epoch),
                              cfg.training.grad_accumulation)
              for epoch in range(cfg.training.epochs)]
