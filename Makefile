@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps $(ASSETS)
 	touch $(STAMP)
 
-# The vLLM CPU build in its own venv (it pins its own torch/transformers; DESIGN §6). torchvision,
+# The vLLM CPU build in its own venv (it pins its own torch/transformers; docs/architecture.md §6). torchvision,
 # torchaudio and torchcodec come in CUDA-linked and break vLLM's imports, so they are removed.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.eaglet-installed
@@ -39,7 +39,8 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
-# SGLang's own EAGLE3 checkpoint loader for tests/test_sglang_loader.py (it cannot serve on CPUs; DESIGN §6):
+# SGLang's own EAGLE3 checkpoint loader for tests/test_sglang_loader.py (it cannot serve on CPUs;
+# docs/architecture.md §6):
 # the sglang wheel --no-deps with the torch/torchvision/transformers it pins (CUDA torch, ~6 GB, ~2 min).
 # A GPU host that serves with SGLang uses a full `pip install sglang` env (runtime.engines.sglang.python).
 SGLANG_VENV := .venv-sglang-loader

@@ -5,8 +5,9 @@
 Takes the first N records of `<run-dir>/data/train.jsonl` and the materialised target of that run (after
 `make run`; when `target/` is absent it is materialised with the target stage), runs the capture stage in
 both modes into a temp dir, and prints bytes/token of each next to SpecForge's `(3H + H) * 2 + 16`
-bytes/token (bf16 aux + bf16 final hidden + int64 ids and mask; DESIGN §8) and the ratios. It also writes the
-same lossless tensors the way SpecForge stores them, one torch.save pickle per sample, and measures that.
+bytes/token (bf16 aux + bf16 final hidden + int64 ids and mask; docs/architecture.md §8) and the ratios.
+It also writes the same lossless tensors the way SpecForge stores them, one torch.save pickle per sample,
+and measures that.
 Target: lossless <= 1x SpecForge's formula, compact <= 0.5x.
 """
 
@@ -21,8 +22,8 @@ import torch
 
 from contract.config_loading import load_config
 from tasks import capture, target
-from tasks.artifacts import link_or_copy
-from tasks.features import FeatureSet, dequantise_aux
+from tasks.common.artifacts import link_or_copy
+from tasks.features.shards import FeatureSet, dequantise_aux
 
 
 def prepare_run(source_run: Path, work: Path, records: int, config: Path | None, mode: str) -> object:

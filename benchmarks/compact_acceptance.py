@@ -26,8 +26,8 @@ from models.target_loading import load_target
 from models.ttt import ttt_forward
 from models.vocab_mapping import load_vocab_mapping
 from tasks import capture
-from tasks.feature_batches import collate
-from tasks.features import FeatureSet
+from tasks.features.batches import collate
+from tasks.features.shards import FeatureSet
 from tasks.train import evaluate_features
 
 

@@ -18,9 +18,9 @@ import torch
 
 from contract.config import RegenerationConfig, RunConfig
 from tasks import target
-from tasks.assets import asset_path
-from tasks.generation import GenerationRequest
-from tasks.generation_local import LocalGenerator
+from tasks.common.assets import asset_path
+from tasks.data.generation import GenerationRequest
+from tasks.data.generation_local import LocalGenerator
 
 
 def mtbench_requests(count: int) -> list[GenerationRequest]:

@@ -1,4 +1,4 @@
-"""The contract that travels with every draft checkpoint (DESIGN §5), and the check a target must pass.
+"""The contract that travels with every draft checkpoint (docs/architecture.md §5), and the check a target must pass.
 
 A drafter is only useful for the exact target, tokenizer and chat template it was trained against; loading
 it anywhere else must fail loudly, naming the field that differs.
@@ -11,6 +11,9 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 AUX_CONVENTION = "output of decoder layer i (0-indexed) = HF output_hidden_states[i + 1]"
+# The engines a drafter is exported for (draft/<engine>/), and the files of one export.
+ENGINES = ("sglang", "vllm")
+EXPORT_FILES = ("config.json", "model.safetensors", "contract.json")
 
 
 class CheckpointContract(BaseModel):

@@ -208,7 +208,7 @@ class TrackingConfig(Section):
 
 
 class RegistryConfig(Section):
-    """The MLflow registered model and the promotion gates of the register stage (tasks/registry_gates.py)."""
+    """The MLflow registered model and the promotion gates of the register stage (tasks/registry/gates.py)."""
 
     model_name: str = "eaglet-draft"
     min_accept_length: float = Field(default=1.0, ge=0.0, description="offline chain mean accept length floor")
@@ -234,7 +234,7 @@ class DeploymentConfig(Section):
 
 
 class EngineConfig(Section):
-    """A serving engine run as a separate process from its own environment (DESIGN §6)."""
+    """A serving engine run as a separate process from its own environment (docs/architecture.md §6)."""
 
     python: str = Field(description="Python of the engine's own virtualenv")
     port: int = Field(default=8100, ge=1, le=65535)

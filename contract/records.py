@@ -122,7 +122,7 @@ class StageReport(Record):
         return report
 
     def check_balanced(self) -> None:
-        """Refuse a report that lost an item: the accounting rule of DESIGN §2."""
+        """Refuse a report that lost an item: the accounting rule of docs/architecture.md §2."""
         if self.ok + self.error + self.skipped != self.input or len(self.outcomes) != self.input:
             raise ValueError(
                 f"{self.stage} report does not balance: ok {self.ok} + error {self.error} + "

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from contract.config import RunConfig
-from contract.config_loading import ConfigError, config_as_yaml, load_config
+from contract.config_loading import config_as_yaml
+from flows.cli_common import ConfigOption, OverridesArgument, console, load_or_exit
 from flows.deployments import add_deploy_command
 from flows.registry_cli import add_registry_commands
 from flows.stages import STAGE_ORDER
@@ -38,19 +38,6 @@ config_app = typer.Typer(help="Inspect and check run configs.", no_args_is_help=
 app.add_typer(config_app, name="config")
 add_registry_commands(app)
 add_deploy_command(app)
-console = Console()
-
-ConfigOption = typer.Option(None, "--config", "-c", help="Run config YAML (defaults when omitted).")
-OverridesArgument = typer.Argument(None, help="Overrides as section.field=value (YAML values).")
-
-
-def load_or_exit(config: Optional[Path], overrides: Optional[list[str]]) -> RunConfig:
-    """Load the config, or print the problems and exit with status 2."""
-    try:
-        return load_config(config, overrides or [])
-    except ConfigError as error:
-        console.print(f"[red]config error[/red]: {error}", markup=True, highlight=False)
-        raise typer.Exit(code=2) from None
 
 
 @config_app.command("show")
@@ -115,12 +102,12 @@ def stage_command(name: str) -> None:
 def stage_errors() -> tuple[type[Exception], ...]:
     """Errors whose message says all a person needs: printed without a traceback."""
     from contract.checkpoint import ContractMismatch
-    from tasks.assets import AssetMissing
+    from tasks.common.assets import AssetMissing
     from tasks.benchmark import BenchmarkFailed
-    from tasks.engine import EngineStartError
+    from tasks.serving.engine import EngineStartError
     from tasks.evaluate import GreedyMismatch
     from tasks.train import TrainingDiverged, TrainingFailed
-    from tasks.train_checkpoint import ResumeRefused
+    from tasks.training.checkpoint import ResumeRefused
 
     return (AssetMissing, BenchmarkFailed, ContractMismatch, EngineStartError, GreedyMismatch, ResumeRefused,
             TrainingDiverged, TrainingFailed, FileNotFoundError)
@@ -155,7 +142,7 @@ def print_where_things_are(cfg: RunConfig) -> None:
         if (out / relative).is_file():
             lines.append((label, str(out / relative)))
     if cfg.tracking.enabled:
-        from tasks.mlflow_store import tracking_uri
+        from tasks.common.mlflow_store import tracking_uri
 
         lines.append(("MLflow UI", f"mlflow ui --backend-store-uri {tracking_uri(cfg)}"))
     registration = out / "register" / "registration.json"
@@ -190,7 +177,7 @@ def inspect(
     """Print one record after templating: position | token id | token | loss_mask (| feature row | teacher)."""
     from transformers import AutoTokenizer
 
-    from tasks.inspect_sample import find_record, inspection_rows
+    from tasks.features.inspector import find_record, inspection_rows
 
     cfg = load_or_exit(config, overrides)
     try:
@@ -226,7 +213,7 @@ def inspect(
 def feature_table_rows(cfg: RunConfig, sample_id: str) -> list:
     """Captured rows of a record, with the teacher's top-1 per row."""
     from models.target_loading import load_target
-    from tasks.inspect_sample import feature_rows, find_feature_record
+    from tasks.features.inspector import feature_rows, find_feature_record
 
     record, _ = find_feature_record(cfg.output_path / "features", sample_id)
     lm_head = None

@@ -40,6 +40,7 @@ from uuid import UUID
 import typer
 
 from contract.config import RunConfig
+from flows.cli_common import ConfigOption, console, load_or_exit
 from flows.stages import select_stages
 
 
@@ -73,7 +74,6 @@ def deploy_to_work_pool(cfg: RunConfig, cron: str, parameters: dict[str, Any], w
                            print_next_steps=False)
 
 
-ConfigOption = typer.Option(None, "--config", "-c", help="Run config YAML (defaults when omitted).")
 OverridesArgument = typer.Argument(None, help="Overrides as section.field=value (YAML values), kept for every run.")
 CronOption = typer.Option(None, "--cron", help="Cron schedule, e.g. '0 3 * * 0' (default: deployment.cron).")
 WorkPoolOption = typer.Option(None, "--work-pool", help="Register with this work pool instead of serving "
@@ -90,7 +90,6 @@ def deploy(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]]
            cron: Optional[str] = CronOption, work_pool: Optional[str] = WorkPoolOption,
            stages: Optional[str] = StagesOption) -> None:
     """Schedule the pipeline: serve it from this process, or register it with a work pool."""
-    from flows.cli import console, load_or_exit  # flows.cli imports this module, so not at the top
 
     cfg = load_or_exit(config, overrides)
     schedule = cron or cfg.deployment.cron

@@ -24,8 +24,8 @@ from contract.config_loading import load_config
 from flows.stage_cache import outputs_unchanged, record_outputs, results_dir, stage_cache_key
 from flows.stages import StageResult, select_stages, stage_function
 from flows.tracking import tracked_run
-from tasks.engine import EngineStartError
-from tasks.generation_openai import RETRYABLE_STATUS
+from tasks.serving.engine import EngineStartError
+from tasks.data.generation_openai import RETRYABLE_STATUS
 
 #: Attempts after the first, and the pause before each: time for a port or GPU memory to be released.
 STAGE_RETRIES = 2

@@ -6,22 +6,21 @@
     eaglet doctor artifacts/embedded-default/draft --target artifacts/embedded-default/target
 
 flows/cli.py adds them with `add_registry_commands(app)`. The work is in tasks/register.py; these only load
-the config, call it and print. flows.cli is imported inside the commands: it imports this module.
+the config, call it and print.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-ConfigOption = typer.Option(None, "--config", "-c", help="Run config YAML (tracking uri, registry.model_name).")
-OverridesArgument = typer.Argument(None, help="Overrides as section.field=value (YAML values).")
+from flows.cli_common import ConfigOption, OverridesArgument, load_or_exit
 
 
 def add_registry_commands(app: typer.Typer) -> None:
@@ -38,19 +37,13 @@ def make_console() -> Console:
     return Console(soft_wrap=True)
 
 
-def load_cfg(config: Optional[Path], overrides: Optional[list[str]]) -> Any:
-    from flows.cli import load_or_exit
-
-    return load_or_exit(config, overrides)
-
-
 def registry_show(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument) -> None:
     """Table of the registered versions: aliases, offline accept length, speedup, gates, target revision."""
     from mlflow.exceptions import MlflowException
 
-    from tasks.registry_store import registry_client, version_rows
+    from tasks.registry.store import registry_client, version_rows
 
-    cfg = load_cfg(config, overrides)
+    cfg = load_or_exit(config, overrides)
     name = cfg.registry.model_name
     console = make_console()
     client = registry_client(cfg)
@@ -78,14 +71,14 @@ def promote(
     """Make a version champion if its gates passed (or --force --reason); the old champion becomes previous."""
     from mlflow.exceptions import MlflowException
 
-    from tasks.registry_store import (CHAMPION, TAG_FAILED_GATES, TAG_GATES_PASSED, alias_version, promote_version,
+    from tasks.registry.store import (CHAMPION, TAG_FAILED_GATES, TAG_GATES_PASSED, alias_version, promote_version,
                                       registry_client)
 
     console = make_console()
     if force and not (reason and reason.strip()):
         console.print("[red]--force needs --reason[/red]: say why the gates are overruled (it is recorded)")
         raise typer.Exit(code=2)
-    cfg = load_cfg(config, overrides)
+    cfg = load_or_exit(config, overrides)
     name = cfg.registry.model_name
     client = registry_client(cfg)
     try:
@@ -113,8 +106,8 @@ def doctor(
     target: Path = typer.Option(..., "--target", "-t", help="The target: a run's target/ dir or output dir, a "
                                 "target.json, or an HF model directory."),
 ) -> None:
-    """Run the contract checks (DESIGN §3, §5) on a checkpoint for a target; exit 1 on any failure."""
-    from tasks.checkpoint_doctor import doctor as run_checks
+    """Run the contract checks (docs/architecture.md §3, §5) on a checkpoint for a target; exit 1 on any failure."""
+    from tasks.registry.doctor import doctor as run_checks
 
     console = make_console()
     try:

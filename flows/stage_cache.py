@@ -23,7 +23,7 @@ import yaml
 
 from contract.config import RunConfig
 from contract.hashing import hash_file, hash_text
-from tasks.artifacts import read_json, write_json
+from tasks.common.artifacts import read_json, write_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DVC_FILE = REPO_ROOT / "dvc.yaml"

@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 from contract.config import RunConfig
 from contract.config_loading import config_as_yaml, flatten_config
 from flows.stages import StageResult
-from tasks.mlflow_store import ensure_experiment, tracking_uri
+from tasks.common.mlflow_store import ensure_experiment, tracking_uri
 
 
 class Tracker:

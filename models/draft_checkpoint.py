@@ -3,7 +3,7 @@
 `config.json` (architectures LlamaForCausalLMEagle3, one hidden layer, draft_vocab_size, eagle_config) +
 `model.safetensors` (fc, midlayer.*, norm, lm_head, d2t, t2d; never embed_tokens) + `contract.json`.
 
-The engines read `eagle_config.eagle_aux_hidden_state_layer_ids` differently (DESIGN §3): SGLang captures
+The engines read `eagle_config.eagle_aux_hidden_state_layer_ids` differently (docs/architecture.md §3): SGLang captures
 the output of layer id, vLLM the output of layer id - 1. Our ids mean "output of layer i", so the SGLang
 export writes them as they are, the vLLM export writes i + 1, and both omit the field when the ids are
 the defaults [1, N//2 - 1, N - 4], which the engines agree on.
@@ -18,11 +18,10 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from contract.checkpoint import CheckpointContract, check_against_target
+from contract.checkpoint import ENGINES, CheckpointContract, check_against_target
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.target_capture import default_aux_layer_ids
 
-ENGINES = ("sglang", "vllm")
 WEIGHTS = "model.safetensors"
 EXPECTED_TENSORS = (
     "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",

@@ -42,7 +42,7 @@ class DraftCache:
         self.values = values if self.values is None else torch.cat([self.values, values], dim=2)
 
 
-def attend(projections: StepProjections, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
+def masked_tree_attention(projections: StepProjections, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
     """Attention of the step's queries over keys/values [1, kv_heads, L, d]; visible: bool [queries, L]."""
     groups = projections.queries.shape[1] // keys.shape[1]
     return F.scaled_dot_product_attention(
@@ -64,7 +64,7 @@ def draft_extend(draft: Eagle3Draft, cache: DraftCache, aux: Tensor, ids: Tensor
     projections = draft.project_qkv(ids, hidden, positions)
     cache.append(projections.keys, projections.values)
     visible = torch.ones(count, cache.length, dtype=torch.bool, device=ids.device).tril(diagonal=start)
-    h_out = draft.finish(hidden, attend(projections, cache.keys, cache.values, visible))
+    h_out = draft.finish(hidden, masked_tree_attention(projections, cache.keys, cache.values, visible))
     last = h_out[:, -1]
     return last, torch.log_softmax(draft.logits(last)[0].float(), dim=-1)
 
@@ -162,7 +162,8 @@ def expand(draft: Eagle3Draft, cache: DraftCache, tree: DraftTree, frontier: lis
     context = torch.ones(len(frontier), cache.length, dtype=torch.bool, device=device)
     keys = torch.cat([cache.keys, tree_keys.cache.keys], dim=2)
     values = torch.cat([cache.values, tree_keys.cache.values], dim=2)
-    h_out = draft.finish(hidden, attend(projections, keys, values, torch.cat([context, lineage], dim=1)))
+    visible = torch.cat([context, lineage], dim=1)
+    h_out = draft.finish(hidden, masked_tree_attention(projections, keys, values, visible))
     for column, node in enumerate(frontier):
         hidden_of[node] = h_out[:, column]
     return torch.log_softmax(draft.logits(h_out)[0].float(), dim=-1)

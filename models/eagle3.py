@@ -1,6 +1,6 @@
 """The EAGLE3 draft model: one Llama decoder layer that reads the target's fused hidden states.
 
-Read top to bottom, this is DESIGN §3's forward:
+Read top to bottom, this is docs/architecture.md §3's forward:
 
     g = fc(aux)                                        # Linear(3H -> H), skipped when the input is width H
     e = embed_tokens(ids)                              # frozen copy of the target's embedding (not exported)

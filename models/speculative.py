@@ -1,7 +1,7 @@
 """The reference speculative decoder: an HF Llama target verifies the EAGLE3 draft's chains or dynamic trees.
 
 One round, with n committed tokens whose last one (the root, the previous round's bonus token) is not yet in
-the target's KV cache (DESIGN §3 alignment; models/draft_tree.py has the draft's positions):
+the target's KV cache (docs/architecture.md §3 alignment; models/draft_tree.py has the draft's positions):
 
     draft:  draft_extend over the positions the target just produced aux states for  -> the root's next-token
             distribution; build the tree (topk K, steps S) and keep the root + best N-1 nodes

@@ -1,4 +1,4 @@
-"""Capturing the target's hidden states that an EAGLE3 drafter is trained on (DESIGN §3 "Features").
+"""Capturing the target's hidden states that an EAGLE3 drafter is trained on (docs/architecture.md §3 "Features").
 
 For tokens x_0..x_{T-1}, row t of the capture holds the target's states after consuming x_0..x_t:
 
@@ -143,7 +143,7 @@ def teacher_topk(model: Any, hidden: Tensor, draft_ids: Tensor, k: int,
     logits = lm_head(hidden) (full vocab, fp32). Returns
       topk_ids      int32 [T, k']  DRAFT ids of the k' = min(k, Vd) most likely draft-vocab tokens,
       topk_logprobs fp16  [T, k']  their log-probs renormalised over the draft vocab
-                                    (log_softmax(logits[:, draft_ids]), DESIGN §3 "Teacher"),
+                                    (log_softmax(logits[:, draft_ids]), docs/architecture.md §3 "Teacher"),
       target_top1   int32 [T]      argmax over the FULL vocab (target ids), so a trainer can mask positions
                                     whose target top-1 lies outside the draft vocab.
     `draft_ids` is the ascending list of target ids in the draft vocab (draft id i -> target id draft_ids[i]).

@@ -1,4 +1,4 @@
-"""The training-time test (TTT): L unrolled draft steps, their attention, loss and metrics (DESIGN §3).
+"""The training-time test (TTT): L unrolled draft steps, their attention, loss and metrics (docs/architecture.md §3).
 
 Features arrive token-aligned (row t: token x_t, its loss mask, the target's states after x_0..x_t).
 The EAGLE3 shift happens here: at step k, position t reads the hidden `fc(aux[t])` (k = 0) or the step k-1
@@ -8,7 +8,7 @@ output, the embedding of x_{t+1+k}, RoPE position t + k, and learns the target's
 Attention at step k: query t sees the step-0 keys 0..t causally, plus from every step j = 1..k only its own
 position t. The causal part runs as one fused scaled-dot-product call (no T x T matrix is built); the
 diagonal terms join it exactly through one extra "virtual" key whose score is chosen per query, so the
-fused call also returns each query's causal softmax mass (see `attend`).
+fused call also returns each query's causal softmax mass (see `causal_plus_diagonal_attention`).
 """
 
 from __future__ import annotations
@@ -102,8 +102,9 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
                      backend: str = "sdpa") -> torch.Tensor:
     """Plain causal attention over [B, h, T, d] tensors with equal head counts, by the chosen kernel.
 
-    flash_attn takes [B, T, h, d] in bf16/fp16; its result is cast back so the merge in `attend` runs in the
-    queries' dtype. Only the output is used (never flash's log-sum-exp, which carries no gradient)."""
+    flash_attn takes [B, T, h, d] in bf16/fp16; its result is cast back so the merge in
+    `causal_plus_diagonal_attention` runs in the queries' dtype. Only the output is used (never flash's
+    log-sum-exp, which carries no gradient)."""
     if backend == "sdpa":
         return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
     from flash_attn import flash_attn_func
@@ -114,8 +115,9 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return out.transpose(1, 2).to(queries.dtype)
 
 
-def attend(queries: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor,
-           diagonal_keys: list[torch.Tensor], diagonal_values: list[torch.Tensor], backend: str = "sdpa") -> torch.Tensor:
+def causal_plus_diagonal_attention(queries: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor,
+                                   diagonal_keys: list[torch.Tensor], diagonal_values: list[torch.Tensor],
+                                   backend: str = "sdpa") -> torch.Tensor:
     """Causal attention over the step-0 keys plus, for each query t, the diagonal keys at t (exact).
 
     With Z = sum of exp(causal scores) and O the causal attention output, the answer is
@@ -196,7 +198,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         else:
             diagonal_keys.append(projections.keys)
             diagonal_values.append(projections.values)
-        attended = attend(projections.queries, keys0, values0, diagonal_keys, diagonal_values, attention_backend)
+        attended = causal_plus_diagonal_attention(projections.queries, keys0, values0, diagonal_keys, diagonal_values,
+                                                  attention_backend)
         hidden = draft.finish(hidden, attended)
         # Logits only where the step has a target: the lm_head dominates the cost, and unsupervised
         # positions (prompts, padding, past the end) add nothing to the loss or the metrics.

@@ -1,4 +1,6 @@
-"""The draft vocabulary: which Vd of the target's V token ids the drafter predicts (DESIGN §3 "Vocab mapping").
+"""The draft vocabulary: which Vd of the target's V token ids the drafter predicts.
+
+docs/architecture.md §3 "Vocab mapping".
 
 Counting token frequencies over the loss-masked tokens of the training split, the Vd most frequent ids are
 kept (ties broken by the smaller id; when fewer than Vd ids were seen, the smallest unseen ids 0, 1, ...

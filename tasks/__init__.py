@@ -1,0 +1,1 @@
+"""The nine pipeline stages, one module each (`run(cfg)`); their helpers live in the subpackages."""

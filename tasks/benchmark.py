@@ -2,12 +2,12 @@
 
 For each engine in `benchmark.engines` (vLLM's CPU build here, SGLang on GPU hosts: the same code, with the
 engine's own command and metrics), the target `<output_dir>/target` is served twice from the engine's own
-environment (tasks/engine.py): first alone ("baseline"), then with the EAGLE3 export `draft/<engine>`
+environment (tasks/serving/engine.py): first alone ("baseline"), then with the EAGLE3 export `draft/<engine>`
 ("eagle3", `evaluation.steps` speculative tokens, chain). Both serve the same requests: the first user turn
 (with any system turns before it) of each held-out record in `data/eval.jsonl`, `benchmark.num_requests` of
 them (cycling when there are fewer), through the chat endpoint so the engine applies the chat template.
 Every concurrency level of `benchmark.concurrency` sends them all with that many in flight, streaming
-(tasks/serving_client.py: TTFT, TPOT, ITL, latency, output tok/s, request/s).
+(tasks/serving/client.py: TTFT, TPOT, ITL, latency, output tok/s, request/s).
 
 What the stage checks (a failure is written to the report first, then raised as BenchmarkFailed):
   - every request completed;
@@ -16,7 +16,7 @@ What the stage checks (a failure is written to the report first, then raised as 
   - the engine's mean acceptance length is within `registry.engine_tolerance` (relative) of the offline
     evaluation `evaluate/acceptance.json` ({"chain": {"steps", "mean_accept_length"}}) when that exists.
     Far off means the engine is not drafting from what the drafter was trained on: aux layer ids
-    (DESIGN §3), chat template or vocab mapping.
+    (docs/architecture.md §3), chat template or vocab mapping.
 
 Acceptance: vLLM counts drafts, draft tokens and accepted tokens (also per draft position); counters are
 read before and after each level, so each level has its own numbers: mean acceptance length =
@@ -45,11 +45,11 @@ from typing import Any, Optional
 
 from contract.config import RunConfig
 from contract.records import PromptRecord
-from tasks.artifacts import read_json, save_figure, write_json, write_jsonl
-from tasks.engine import EngineKind, EngineLaunch, RunningEngine, serve
-from tasks.evaluate import select_records, turn_prefixes
-from tasks.serving_client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
-from tasks.spec_counters import acceptance, overall_acceptance, speculative_window
+from tasks.common.artifacts import read_json, save_figure, write_json, write_jsonl
+from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve
+from tasks.data.held_out import select_records, turn_prefixes
+from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
+from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
 
 VARIANTS = ("baseline", "eagle3")
 #: One short request before measuring, so no level pays the engine's first-request costs.
@@ -57,7 +57,6 @@ WARMUP_MAX_TOKENS = 8
 MEMORY_SAMPLE_INTERVAL_S = 0.5
 OFFLINE_ACCEPTANCE = Path("evaluate") / "acceptance.json"
 SNIPPET_CHARS = 80
-
 
 
 class BenchmarkFailed(RuntimeError):
@@ -401,7 +400,7 @@ def layer_hint(out: Path, kind: str, engine: float, offline: float, gap: float, 
     return (
         f"{kind}: mean acceptance length {engine:.3f} in the engine vs {offline:.3f} offline "
         f"(gap {gap:.0%} > {tolerance:.0%}): the engine is not drafting from what the drafter was trained on. "
-        f"Check (1) the aux layer-id convention (DESIGN §3): {draft}/config.json has "
+        f"Check (1) the aux layer-id convention (docs/architecture.md §3): {draft}/config.json has "
         f"eagle_config.eagle_aux_hidden_state_layer_ids = {engine_ids} for trained layers {trained_ids} "
         f"(vLLM captures the output of layer id - 1, SGLang of layer id); (2) the chat template the engine "
         f"applies is the target's ({out}/target/chat_template.jinja); (3) the vocab mapping (d2t/t2d) in "

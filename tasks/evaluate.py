@@ -27,11 +27,12 @@ from typing import Any, Optional
 
 import torch
 
-from contract.chat_rendering import is_supervised, render_with_spans, spans_in_pretemplated
+from contract.chat_rendering import render_with_spans, spans_in_pretemplated
 from contract.config import RunConfig
-from contract.records import Message, PromptRecord, read_prompt_records
-from tasks.artifacts import read_json, save_figure, write_json
-from tasks.progress import advance, progress_bar
+from tasks.common.artifacts import read_json, save_figure, write_json
+from tasks.common.progress import advance, progress_bar
+from tasks.common.target_info import load_target_model, load_tokenizer
+from tasks.data.held_out import select_records
 
 LENGTH_BUCKETS = (256, 512, 1024)
 
@@ -174,25 +175,6 @@ def eval_prompts(path: Path, tokenizer: Any, max_length: int, max_records: Optio
     return prompts
 
 
-def select_records(path: Path, max_records: Optional[int], sources: Optional[list[str]]) -> list[PromptRecord]:
-    """The held-out records evaluated (and benchmarked: both stages must see the same prompts)."""
-    records = [record for record in read_records(path) if sources is None or record.source in sources]
-    if max_records is not None and len(records) > max_records:
-        records = [records[index * len(records) // max_records] for index in range(max_records)]
-    return records
-
-
-def turn_prefixes(record: PromptRecord) -> list[list[Message]]:
-    """The conversation before each supervised assistant turn: what a chat client sends for that turn."""
-    return [record.messages[:index] for index, message in enumerate(record.messages) if is_supervised(message)]
-
-
-def read_records(path: Path) -> list[PromptRecord]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no held-out records; run the validate stage first")
-    return [record for _, record in read_prompt_records(path)]
-
-
 def load_drafter(cfg: RunConfig, target: Any) -> Any:
     """The exported SGLang drafter, checked against the target's contract, on the target's device."""
     from models.draft_checkpoint import load_pretrained
@@ -210,12 +192,11 @@ def load_drafter(cfg: RunConfig, target: Any) -> Any:
 
 def run(cfg: RunConfig) -> EvaluationResult:
     from models.speculative import SpeculativeDecoder, target_generate
-    from tasks.capture import load_model, load_tokenizer
 
     out = cfg.output_path
     settings = cfg.evaluation
     tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
-    target = load_model(cfg, out / "target")
+    target = load_target_model(cfg, out / "target")
     target.eval()
     draft = load_drafter(cfg, target)
     prompts = eval_prompts(out / "data" / "eval.jsonl", tokenizer, cfg.validation.max_length, settings.max_prompts,

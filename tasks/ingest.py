@@ -13,11 +13,11 @@ from pathlib import Path
 
 from contract.config import DataSource, RunConfig
 from contract.records import Outcome, PromptRecord, Provenance, StageReport
-from tasks.artifacts import write_json, write_jsonl
-from tasks.assets import ASSETS, asset_path
-from tasks.ingest_formats import BadRecord, Normalised, normalise
-from tasks.input_files import iter_items
-from tasks.progress import advance, progress_bar
+from tasks.common.artifacts import write_json, write_jsonl
+from tasks.common.assets import ASSETS, asset_path
+from tasks.data.formats import BadRecord, Normalised, normalise
+from tasks.data.input_files import iter_items
+from tasks.common.progress import advance, progress_bar
 
 ASSET_FORMATS = {"mtbench": "mtbench", "sharegpt-dummy": "sharegpt", "humaneval": "humaneval", "chitchat": "chitchat"}
 

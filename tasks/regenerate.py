@@ -23,10 +23,10 @@ from contract.config import RunConfig
 from contract.reasoning import ReasoningError, split_reasoning
 from contract.records import (GenerationParams, Message, Outcome, PromptRecord, StageReport, TurnGeneration,
                               read_prompt_records)
-from tasks.artifacts import read_json, write_json, write_jsonl
-from tasks.generation import GenerationRequest, Generator
-from tasks.journal import Journal
-from tasks.progress import advance, progress_bar
+from tasks.common.artifacts import read_json, write_json, write_jsonl
+from tasks.data.generation import GenerationRequest, Generator
+from tasks.data.journal import Journal
+from tasks.common.progress import advance, progress_bar
 
 
 class PlanError(ValueError):
@@ -127,14 +127,14 @@ def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
     settings = cfg.regeneration
     target_dir = cfg.output_path / "target"
     if settings.backend == "local":
-        from tasks.generation_local import LocalGenerator
+        from tasks.data.generation_local import LocalGenerator
 
         return LocalGenerator(target_dir, settings, cfg.model.dtype)
-    from tasks.generation_openai import OpenAIGenerator
+    from tasks.data.generation_openai import OpenAIGenerator
 
     base_url = settings.base_url
     if base_url is None:
-        from tasks.engine import EngineLaunch, serve
+        from tasks.serving.engine import EngineLaunch, serve
 
         log_path = cfg.output_path / "logs" / f"regenerate-{settings.engine}.log"
         engine = cfg.runtime.engines[settings.engine]

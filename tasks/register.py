@@ -5,11 +5,11 @@ does), `evaluate/acceptance.json`, and when they exist `benchmark/report.json`, 
 and the Data Docs `reports/data_docs/index.html`. Missing exports or evaluation fail the stage naming the
 file and the stage to run; a failed gate does not: the version is registered and keeps alias `candidate`.
 
-MLflow 3 (DESIGN §7): the checkpoint folder is a logged model (`initialize_logged_model`, the two engine
+MLflow 3 (docs/architecture.md §7): the checkpoint folder is a logged model (`initialize_logged_model`, the two engine
 folders, `contract.json` and the reports as its artifacts, `finalize_logged_model`), registered under
-`registry.model_name` with the full contract (DESIGN §5) as version tags, plus the eval-set fingerprint,
+`registry.model_name` with the full contract (docs/architecture.md §5) as version tags, plus the eval-set fingerprint,
 the git commit and the hash of dvc.lock's upstream stages. Aliases, never stages: every new version gets
-`candidate`; one whose gates pass (tasks/registry_gates.py) becomes `champion` and the champion it replaces
+`candidate`; one whose gates pass (tasks/registry/gates.py) becomes `champion` and the champion it replaces
 keeps `previous`. Runs inside the pipeline's MLflow run when there is one, else in its own. With
 `tracking.enabled: false` (CI-size runs) there is no store: the gates are evaluated and reported, nothing
 is registered.
@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from contract.checkpoint import CheckpointContract, ContractMismatch
+from contract.checkpoint import ENGINES, EXPORT_FILES, CheckpointContract, ContractMismatch
 from contract.config import RunConfig
 from contract.hashing import hash_text
-from tasks.artifacts import read_json, write_json
-from tasks.checkpoint_doctor import ENGINES, EXPORT_FILES, inspect_checkpoint
-from tasks.registry_gates import Gate, GateInputs, evaluate_gates, gates_passed, offline_accept_length
-from tasks.registry_store import (CANDIDATE, CHAMPION, TAG_ACCEPT_LENGTH, TAG_EVAL_FINGERPRINT, TAG_FAILED_GATES,
+from tasks.common.artifacts import read_json, write_json
+from tasks.registry.doctor import inspect_checkpoint
+from tasks.registry.gates import Gate, GateInputs, evaluate_gates, gates_passed, offline_accept_length
+from tasks.registry.store import (CANDIDATE, CHAMPION, TAG_ACCEPT_LENGTH, TAG_EVAL_FINGERPRINT, TAG_FAILED_GATES,
                                   TAG_GATES, TAG_GATES_PASSED, TAG_SPEEDUP, aliases_of, current_champion,
                                   promote_version)
 
@@ -209,7 +209,7 @@ def refuse_broken_exports(inputs: RegisterInputs, out: Path) -> None:
 def eval_fingerprint(cfg: RunConfig, acceptance: dict[str, Any]) -> str:
     """Which prompts and decode settings the offline acceptance was measured on: versions compare only when
     this (and the target revision) is equal."""
-    from tasks.evaluate import select_records
+    from tasks.data.held_out import select_records
 
     settings = cfg.evaluation
     records = select_records(cfg.output_path / "data" / "eval.jsonl", settings.max_prompts, settings.sources)
@@ -271,7 +271,7 @@ def registration_run(cfg: RunConfig) -> Iterator[Any]:
     if active is not None:
         yield active
         return
-    from tasks.mlflow_store import ensure_experiment, tracking_uri
+    from tasks.common.mlflow_store import ensure_experiment, tracking_uri
 
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
@@ -282,7 +282,8 @@ def registration_run(cfg: RunConfig) -> Iterator[Any]:
 
 
 def registered_contract(inputs: RegisterInputs, gates: list[Gate], fingerprint: str) -> CheckpointContract:
-    """The export's contract (engine-neutral) with the evaluation reports' headline numbers added (DESIGN §5)."""
+    """The export's contract (engine-neutral) with the evaluation reports' headline numbers added
+    (docs/architecture.md §5)."""
     acceptance = inputs.acceptance
     offline = {"mean_accept_length": offline_accept_length(acceptance),
                "greedy_equivalence": acceptance.get("greedy_equivalence"), "prompts": acceptance.get("prompts"),
@@ -368,5 +369,3 @@ def register_version(name: str, model_id: str, tags: dict[str, str]) -> int:
     import mlflow
 
     return int(mlflow.register_model(f"models:/{model_id}", name, tags=tags).version)
-
-

@@ -12,51 +12,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from pydantic import BaseModel
 
 from contract.config import ModelConfig, RunConfig
-from contract.hashing import hash_files, hash_text
-from tasks.artifacts import atomic_directory, link_or_copy, read_json, write_json
-from tasks.assets import asset_path
-
-# Bump when the conversion of a source changes, so cached conversions are rebuilt.
-CONVERTER_VERSION = "1"
-HF_SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-)
-
-
-class TargetInfo(BaseModel):
-    """The content of target.json: what later stages and the checkpoint contract pin."""
-
-    id: str
-    source: str
-    revision: str
-    converter_version: str
-    architecture: str
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-    bos_token_id: int | None
-    eos_token_id: int | list[int] | None
-    pad_token_id: int | None
-    eos_token: str | None
-    tokenizer_hash: str
-    chat_template_hash: str | None
-    files: list[str]
+from contract.hashing import hash_files
+from tasks.common.artifacts import atomic_directory, link_or_copy, read_json, write_json
+from tasks.common.assets import asset_path
+from tasks.common.target_info import CONVERTER_VERSION, TargetInfo, describe_target, source_files_of, target_id
 
 
 @dataclass
@@ -118,11 +79,6 @@ def resolve_source(model: ModelConfig) -> SourceFiles:
     return SourceFiles("hub", root, source_files_of(root))
 
 
-def target_id(model: ModelConfig) -> str:
-    """The name the contract records: the hub id, or the directory for a local target."""
-    return str(model.path) if model.source == "local" else model.id
-
-
 def hub_cache_snapshot(repo_id: str, revision: str | None) -> Path:
     """The local HF cache snapshot of a hub id; this machine never downloads."""
     from huggingface_hub import snapshot_download
@@ -138,18 +94,6 @@ def hub_cache_snapshot(repo_id: str, revision: str | None) -> Path:
             "eaglet does not download: fetch it on a connected machine, or set model.source=local "
             "with model.path pointing to the directory"
         ) from None
-
-
-def source_files_of(root: Path) -> list[Path]:
-    """The files of an HF directory that define the model: weights, config and tokenizer."""
-    files = [root / name for name in HF_SIDE_FILES if (root / name).is_file()]
-    weights = [path for path in root.iterdir() if path.suffix == ".safetensors"]
-    if not weights:
-        raise FileNotFoundError(
-            f"{root}: no *.safetensors weights; eaglet loads safetensors only (convert pickled .bin "
-            "weights with transformers' save_pretrained on a trusted machine first)"
-        )
-    return sorted(set(files + weights))
 
 
 def read_up_to_date_info(info_path: Path, out_dir: Path, revision: str, model_id: str) -> TargetInfo | None:
@@ -199,31 +143,3 @@ def copy_hf_directory(source: SourceFiles, destination: Path, trust_remote_code:
 
     tokenizer = AutoTokenizer.from_pretrained(source.root, trust_remote_code=trust_remote_code)
     tokenizer.save_pretrained(destination)
-
-
-def describe_target(directory: Path, model: ModelConfig, revision: str) -> TargetInfo:
-    """Read dims and special tokens from the materialised directory."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(directory, trust_remote_code=model.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=model.trust_remote_code)
-    text_config: Any = config.get_text_config() if hasattr(config, "get_text_config") else config
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-    tokenizer_files = [directory / name for name in ("tokenizer.json", "tokenizer_config.json") if (directory / name).is_file()]
-    return TargetInfo(
-        id=target_id(model),
-        source=model.source,
-        revision=revision,
-        converter_version=CONVERTER_VERSION,
-        architecture=(config.architectures or ["unknown"])[0],
-        num_hidden_layers=text_config.num_hidden_layers,
-        hidden_size=text_config.hidden_size,
-        vocab_size=text_config.vocab_size,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token=tokenizer.eos_token,
-        tokenizer_hash=hash_files(tokenizer_files, root=directory),
-        chat_template_hash=hash_text(template) if template else None,
-        files=sorted(path.name for path in directory.iterdir() if path.is_file()),
-    )

@@ -10,7 +10,7 @@ features the target computes in this process per batch (online).
     online:       eaglet stage train --config params.yaml training.mode=online
     FSDP2:        ... deployment.trainer.nproc_per_node=2 deployment.trainer.strategy=fsdp
 
-Data parallel (tasks/train_parallel.py: DDP by default, FSDP2 as an option; gloo on CPU, nccl on GPU):
+Data parallel (tasks/training/parallel.py: DDP by default, FSDP2 as an option; gloo on CPU, nccl on GPU):
 every rank plans the same global batches and takes its share, so N ranks compute the same steps as one.
 An optimizer step accumulates `training.grad_accumulation` micro-batches, normalised as one batch.
 Offline, only the draft and the target's lm_head, embedding and final norm are in memory; online, the
@@ -37,22 +37,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from contract.checkpoint import ENGINES
 from contract.config import RunConfig
 from contract.config_loading import config_as_yaml, load_config
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.target_heads import TargetHeads, load_target_heads
 from models.ttt import TTTBatch, TTTOutput, check_attention_backend, simulated_accept_length, ttt_forward
 from models.vocab_mapping import load_vocab_mapping
-from tasks.artifacts import read_json, write_json
-from tasks.devices import autocast, compute_dtype, resolve_device
-from tasks.feature_batches import collate
-from tasks.features import FeatureSet, check_manifest
-from tasks.train_checkpoint import (TrainerState, check_resumable, find_checkpoint, load_checkpoint, math_fields,
-                                    prune_checkpoints, record_best, rng_state, save_checkpoint)
-from tasks.train_data import Cursor, epoch_batches, optimizer_steps, rank_share
-from tasks.train_parallel import (Distributed, full_draft_weights, full_optimizer_state, gradient_sync,
-                                  load_full_state, parallelise, setup_distributed)
-from tasks.train_outputs import ENGINES, export, plot_accuracy, training_tracker
+from tasks.common.artifacts import read_json, write_json
+from tasks.common.devices import autocast, compute_dtype, resolve_device
+from tasks.features.batches import collate
+from tasks.features.shards import FeatureSet, check_manifest
+from tasks.training.checkpoint import (TrainerState, check_resumable, find_checkpoint, load_checkpoint, math_fields,
+                                       prune_checkpoints, record_best, rng_state, save_checkpoint)
+from tasks.training.batch_plan import Cursor, epoch_batches, optimizer_steps, rank_share
+from tasks.training.parallel import (Distributed, full_draft_weights, full_optimizer_state, gradient_sync,
+                                     load_full_state, parallelise, setup_distributed)
+from tasks.training.outputs import export, plot_accuracy, training_tracker
+
 
 class TrainingDiverged(RuntimeError):
     """The loss stopped being a number; the message names the step and the records of the batch."""
@@ -233,7 +235,7 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
 def open_features(cfg: RunConfig) -> tuple[Any, Any, dict[str, Any]]:
     """(train source, eval source or None, features manifest) for the configured training mode."""
     if cfg.training.mode == "online":
-        from tasks.online_features import open_online
+        from tasks.features.online import open_online
 
         return open_online(cfg)
     features_dir = cfg.output_path / "features"
@@ -257,7 +259,7 @@ def start_fresh(cfg: RunConfig, env: Distributed) -> None:
 
 def run_steps(loop: Loop, plans: list[list[list[list[int]]]]) -> None:
     """The step loop, from the state's cursor; stops at total_steps or after training.halt_after steps."""
-    from tasks.progress import progress_bar
+    from tasks.common.progress import progress_bar
 
     cfg, state = loop.cfg, loop.state
     halt_at = state.step + cfg.training.halt_after if cfg.training.halt_after else None

@@ -4,7 +4,7 @@ Reads `data/regenerated.jsonl`, the materialised `target/` (tokenizer + chat tem
 Each input line becomes one row of derived columns (expectations/record_checks.py) that the suite
 `expectations/regenerated_records.json` checks with real GX validations; a row failing an expectation
 whose `meta.on_failure` is `error` is an error outcome, one failing only `skipped` ones is skipped, both
-with a reason naming the expectation. The records that pass are split train/eval (tasks/data_split.py),
+with a reason naming the expectation. The records that pass are split train/eval (tasks/data/split.py),
 and the split is checked by `expectations/train_eval_split.json` (no conversation or normalised prompt in
 both splits, eval requests honoured).
 
@@ -26,8 +26,9 @@ from typing import Any, Optional
 from contract.config import RunConfig
 from contract.records import Outcome, StageReport
 from expectations.record_checks import CheckSettings, DerivedRecord, derive
-from tasks import data_split
-from tasks.artifacts import atomic_directory, read_json, write_json, write_jsonl
+from tasks.common.artifacts import atomic_directory, write_json, write_jsonl
+from tasks.common.target_info import load_tokenizer, read_target_info
+from tasks.data import split as data_split
 
 EXPECTATIONS_DIR = Path(__file__).resolve().parent.parent / "expectations"
 RECORD_SUITE = "regenerated_records"
@@ -126,7 +127,7 @@ def run(cfg: RunConfig) -> ValidateResult:
     tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
 
     lines = source.read_text(encoding="utf-8").splitlines()
-    settings = CheckSettings(cfg.validation.max_length, cfg.regeneration.reasoning, target_info.get("chat_template_hash"))
+    settings = CheckSettings(cfg.validation.max_length, cfg.regeneration.reasoning, target_info.chat_template_hash)
     rows = derive(lines, tokenizer, settings, INPUT_NAME)
     explain_repeated_ids(rows)
     parameters = {
@@ -207,19 +208,6 @@ def check_threshold_names(cfg: RunConfig, record_suite: dict[str, Any]) -> None:
     if unknown:
         raise ValueError(f"validation.expectation_thresholds names unknown expectation(s) {', '.join(unknown)}; "
                          f"known: {', '.join(known)}")
-
-
-def read_target_info(out: Path) -> dict[str, Any]:
-    path = out / "target.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no materialised target; run the target stage first")
-    return read_json(path)
-
-
-def load_tokenizer(directory: Path, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
 
 
 def explain_repeated_ids(rows: list[DerivedRecord]) -> None:

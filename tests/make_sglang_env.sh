@@ -3,7 +3,7 @@
 # with the torch, torchvision and transformers it pins, plus only what importing that code needs.
 #
 # The wheel goes in with --no-deps: its full dependency list pulls GPU kernels (flashinfer, deep-gemm,
-# tilelang, ...) that are useless here. This env loads checkpoints; it cannot serve (DESIGN §6).
+# tilelang, ...) that are useless here. This env loads checkpoints; it cannot serve (docs/architecture.md §6).
 # torch 2.14.1 is the CUDA build from PyPI (~3.2 GB of nvidia wheels, ~6 GB venv): the CPU build of torch
 # 2.13 was tried and fails, because SGLang's ServerArgs imports torchvision and PyPI only has CUDA-linked
 # torchvision wheels, which cannot load against a +cpu torch.

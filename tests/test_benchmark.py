@@ -22,9 +22,10 @@ import pytest
 
 from contract.config import RunConfig
 from contract.records import PromptRecord
-from tasks import benchmark, spec_counters
-from tasks.engine import free_port, parse_prometheus
-from tasks.serving_client import (ChatRequest, RequestResult, Sampling, distribution_ms, percentile, run_level,
+from tasks import benchmark
+from tasks.serving import spec_counters
+from tasks.serving.engine import free_port, parse_prometheus
+from tasks.serving.client import (ChatRequest, RequestResult, Sampling, distribution_ms, percentile, run_level,
                                   stream_chat, summarize_level, time_per_output_token)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -293,7 +294,7 @@ def test_engine_acceptance_far_from_offline_points_at_layer_ids_template_and_voc
     assert check["status"] == "failed"
     reason = check["reason"]
     assert "1.100 in the engine vs 2.000 offline" in reason and "gap 45% > 15%" in reason
-    assert "DESIGN §3" in reason
+    assert "docs/architecture.md §3" in reason
     assert "eagle_aux_hidden_state_layer_ids = [1, 2, 3] for trained layers [1, 2, 3]" in reason
     assert "chat_template" in reason and "vocab_mapping" in reason
 
@@ -509,7 +510,7 @@ SGLANG_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 
 
 def sglang_can_serve() -> bool:
-    """SGLang serves on CUDA GPUs only (DESIGN §6): a GPU and an SGLang environment with its server."""
+    """SGLang serves on CUDA GPUs only (docs/architecture.md §6): a GPU and an SGLang environment with its server."""
     import subprocess
 
     import torch

@@ -15,8 +15,8 @@ from models.target_capture import capture_states, default_aux_layer_ids, resolve
 from models.target_loading import load_target
 from models.vocab_mapping import build_vocab_mapping, count_tokens, load_vocab_mapping, mapping_hash
 from tasks import capture, target
-from tasks.artifacts import read_json
-from tasks.features import FeatureError, FeatureSet, check_manifest, dense_teacher, dequantise_aux
+from tasks.common.artifacts import read_json
+from tasks.features.shards import FeatureError, FeatureSet, check_manifest, dense_teacher, dequantise_aux
 
 AUX = [1, 2, 3]  # the tiny target has 6 layers: the default [1, 2, 2] repeats a layer
 MAX_LENGTH = 96

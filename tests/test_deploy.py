@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from pipeline_inputs import tiny_run_config, write_conversations
-from tasks.engine import free_port
+from tasks.serving.engine import free_port
 
 BIN = Path(sys.executable).parent
 CRON = "0 3 * * 0"

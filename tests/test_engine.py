@@ -1,4 +1,4 @@
-"""tasks.engine: serving-engine commands, and the process lifecycle against a fake and a real engine.
+"""tasks.serving.engine: serving-engine commands, and the process lifecycle against a fake and a real engine.
 
 The fast tests run a fake `vllm.entrypoints.openai.api_server` module (a few lines of http.server, put on
 PYTHONPATH) with our own python, so the real command line of `engine_command` is what gets started. The slow
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.engine import (
+from tasks.serving.engine import (
     EngineLaunch,
     EngineStartError,
     engine_command,

@@ -33,7 +33,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path)
 
 
 def test_every_supervised_turn_is_a_prompt(trained_run) -> None:
-    from tasks.capture import load_tokenizer
+    from tasks.common.target_info import load_tokenizer
 
     tokenizer = load_tokenizer(trained_run.output_path / "target", False)
     prompts = evaluate.eval_prompts(trained_run.output_path / "data" / "eval.jsonl", tokenizer, 256, None)

@@ -21,7 +21,8 @@ import pytest
 from contract.config import RunConfig
 from contract.config_loading import load_config
 from contract.records import PromptRecord, StageReport
-from tasks import artifacts, ingest
+from tasks import ingest
+from tasks.common import artifacts
 
 # --------------------------------------------------------------------------------------------- helpers
 

@@ -14,7 +14,7 @@ from contract.config import RunConfig
 from contract.records import Message, PromptRecord, Provenance
 from flows.cli import app
 from tasks import target
-from tasks.inspect_sample import inspection_rows
+from tasks.features.inspector import inspection_rows
 from training_run import peaked_target
 
 TWO_TURNS = PromptRecord(
@@ -76,7 +76,7 @@ def test_inspect_command_prints_the_table(tmp_path: Path, tiny_target_dir: Path)
 
 def test_features_line_up_with_tokens_and_the_teacher_predicts_the_next_one(tmp_path: Path, tiny_target_dir: Path) -> None:
     from tasks import capture, ingest, regenerate
-    from tasks.inspect_sample import feature_rows, find_feature_record
+    from tasks.features.inspector import feature_rows, find_feature_record
 
     model_dir = peaked_target(tiny_target_dir, tmp_path / "peaked")
     chats = tmp_path / "chats.jsonl"
@@ -126,7 +126,7 @@ def test_smollm2_teacher_predicts_the_next_generated_token(tmp_path: Path) -> No
     """The alignment proof on the real target: after greedy regeneration, the teacher of row t-1 is token t."""
     from models.target_loading import load_target
     from tasks import capture, ingest, regenerate
-    from tasks.inspect_sample import feature_rows, find_feature_record
+    from tasks.features.inspector import feature_rows, find_feature_record
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"id": key, "messages": [{"role": "user", "content": text}]}) + "\n" for key, text in

@@ -18,7 +18,7 @@ from flows.pipeline import pipeline
 from flows.stage_cache import stage_cache_key, stage_spec
 from flows.stages import STAGE_ORDER
 from pipeline_inputs import tiny_run_config, write_conversations
-from tasks.engine import free_port
+from tasks.serving.engine import free_port
 
 
 def write_config(tmp_path: Path, tiny_target_dir: Path, mlflow_uri: str) -> Path:

@@ -20,8 +20,8 @@ import yaml
 from contract.config import RunConfig
 from contract.records import PromptRecord
 from tasks import ingest, regenerate, target
-from tasks.generation import GenerationRequest
-from tasks.generation_local import LocalGenerator
+from tasks.data.generation import GenerationRequest
+from tasks.data.generation_local import LocalGenerator
 
 TESTS = Path(__file__).resolve().parent
 MULTI_TURN = {"question_id": 1, "category": "writing", "turns": ["Tell me a story about a bird.", "Now make it shorter."]}

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tasks import regenerate
-from tasks.engine import EngineLaunch, free_port, serve
+from tasks.serving.engine import EngineLaunch, free_port, serve
 from test_regenerate import by_id, journal_entries, prepare_run, stage_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

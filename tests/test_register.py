@@ -22,8 +22,9 @@ from contract.checkpoint import CheckpointContract, ContractMismatch
 from contract.config import RegistryConfig, RunConfig, TrackingConfig
 from contract.config_loading import config_as_yaml
 from flows.registry_cli import add_registry_commands
-from tasks import evaluate, register, registry_store, train
-from tasks.registry_gates import Champion, GateInputs, evaluate_gates, gates_passed
+from tasks import evaluate, register, train
+from tasks.registry import store as registry_store
+from tasks.registry.gates import Champion, GateInputs, evaluate_gates, gates_passed
 from training_run import captured_run
 
 MODEL = "tiny-drafter"

@@ -16,7 +16,7 @@ from models.draft_tree import DraftCache, DraftTree, ancestor_mask, build_tree, 
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.speculative import SpeculativeDecoder, TargetState, prefill, target_generate
 from models.target_capture import capture_states
-from models.ttt import TTTBatch, attend, teacher_from_hidden, ttt_forward
+from models.ttt import TTTBatch, causal_plus_diagonal_attention, teacher_from_hidden, ttt_forward
 from models.vocab_mapping import build_vocab_mapping, count_tokens
 from training_run import peaked_target
 
@@ -213,7 +213,8 @@ def ttt_logprobs(draft: Eagle3Draft, aux: torch.Tensor, ids: list[int], depth: i
         else:
             diagonal_keys.append(projections.keys)
             diagonal_values.append(projections.values)
-        hidden = draft.finish(hidden, attend(projections.queries, keys0, values0, diagonal_keys, diagonal_values))
+        attended = causal_plus_diagonal_attention(projections.queries, keys0, values0, diagonal_keys, diagonal_values)
+        hidden = draft.finish(hidden, attended)
         result.append(torch.log_softmax(draft.logits(hidden[0, -1]).float(), dim=-1))
     return result
 

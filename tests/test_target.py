@@ -11,7 +11,8 @@ import torch
 
 from contract.config import RunConfig
 from contract.hashing import hash_files, hash_text
-from tasks import assets, target
+from tasks import target
+from tasks.common import assets
 
 
 def local_config(tmp_path: Path, model_dir: Path) -> RunConfig:

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from models.vocab_mapping import write_safetensors_file
 from tasks import train
-from tasks.train_checkpoint import ResumeRefused
+from tasks.training.checkpoint import ResumeRefused
 from training_run import captured_run, copy_run
 
 

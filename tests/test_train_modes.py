@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.ttt import attend, check_attention_backend
+from models.ttt import causal_plus_diagonal_attention, check_attention_backend
 from tasks import train
-from tasks.feature_batches import collate
-from tasks.features import FeatureSet
-from tasks.train_checkpoint import ResumeRefused, find_checkpoint
+from tasks.features.batches import collate
+from tasks.features.shards import FeatureSet
+from tasks.training.checkpoint import ResumeRefused, find_checkpoint
 from training_run import captured_run, copy_run
 
 
@@ -65,7 +65,7 @@ def test_online_training_matches_offline_without_shards(base_run, tmp_path: Path
     saved = json.loads((find_checkpoint(online.output_path / "checkpoints", "latest") / "trainer_state.json").read_text())
     assert saved["math"]["training.mode"] == "online"
     contract = json.loads((online.output_path / "draft" / "vllm" / "contract.json").read_text())
-    assert contract["training"]["strategy"] == "online" and contract["training"]["dtype"] == "float32"
+    assert contract["training"]["mode"] == "online" and contract["training"]["dtype"] == "float32"
 
 
 def test_accumulated_micro_batches_give_the_gradient_of_their_union(base_run) -> None:
@@ -147,8 +147,8 @@ def test_flash_attention_matches_sdpa_on_gpu() -> None:
     keys = torch.randn(2, 2, 33, 64, device="cuda", generator=generator)
     values = torch.randn(2, 2, 33, 64, device="cuda", generator=generator)
     diagonal = [torch.randn(2, 2, 33, 64, device="cuda", generator=generator) for _ in range(2)]
-    reference = attend(queries, keys, values, diagonal, diagonal, "sdpa")
-    flash = attend(queries, keys, values, diagonal, diagonal, "flash_attn")
+    reference = causal_plus_diagonal_attention(queries, keys, values, diagonal, diagonal, "sdpa")
+    flash = causal_plus_diagonal_attention(queries, keys, values, diagonal, diagonal, "flash_attn")
     torch.testing.assert_close(flash, reference, rtol=3e-2, atol=3e-2)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.eagle3 import Eagle3Config, Eagle3Draft
-from models.ttt import TTTBatch, attend, ttt_forward
+from models.ttt import TTTBatch, causal_plus_diagonal_attention, ttt_forward
 
 TINY = Eagle3Config(
     hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -45,7 +45,8 @@ def random_batch(batch: int = 2, length: int = 12, seed: int = 1) -> TTTBatch:
 
 
 def reference_ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> torch.Tensor:
-    """DESIGN §3 spelled out: per step, explicit shifts, a dense mask over all keys so far, the weighted loss."""
+    """docs/architecture.md §3 spelled out: per step, explicit shifts, a dense mask over all keys so far,
+    the weighted loss."""
     size, length = batch.input_ids.shape
 
     def at(tensor: torch.Tensor, t: int, fill: float = 0.0) -> torch.Tensor:
@@ -99,7 +100,7 @@ def test_attend_is_exact_with_large_scores() -> None:
     queries = torch.randn(1, 2, 9, 8) * 6
     keys0, values0 = torch.randn(1, 1, 9, 8) * 6, torch.randn(1, 1, 9, 8)
     diagonal = [(torch.randn(1, 1, 9, 8) * 6, torch.randn(1, 1, 9, 8)) for _ in range(3)]
-    fast = attend(queries, keys0, values0, [k for k, _ in diagonal], [v for _, v in diagonal])
+    fast = causal_plus_diagonal_attention(queries, keys0, values0, [k for k, _ in diagonal], [v for _, v in diagonal])
     keys = torch.cat([keys0] + [k for k, _ in diagonal], dim=2).repeat_interleave(2, 1)
     values = torch.cat([values0] + [v for _, v in diagonal], dim=2).repeat_interleave(2, 1)
     allowed = torch.zeros(9, 36, dtype=torch.bool)

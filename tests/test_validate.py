@@ -12,7 +12,8 @@ import pytest
 
 from contract.config import RunConfig
 from contract.records import GenerationParams, Message, PromptRecord, Provenance
-from tasks import data_split, target
+from tasks import target
+from tasks.data import split as data_split
 
 TEXT_RECORD = "<|im_start|>user\nWhat is the capital of France<|im_end|>\n<|im_start|>assistant\nParis<|im_end|>\n"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from contract.config import RegenerationConfig
-from tasks.generation import GenerationReply, GenerationRequest
+from tasks.data.generation import GenerationReply, GenerationRequest
 
 
 class LocalGenerator:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import httpx
 
 from contract.config import RegenerationConfig
-from tasks.generation import GenerationReply, GenerationRequest
+from tasks.data.generation import GenerationReply, GenerationRequest
 
 RETRYABLE_STATUS = {408, 409, 425, 429}
 TRANSIENT_ERRORS = (httpx.TransportError, httpx.TimeoutException)

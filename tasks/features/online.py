@@ -1,7 +1,7 @@
 """Features computed by the target inside the training process (`training.mode: online`): no shards on disk.
 
-The records are tokenised and masked exactly as the capture stage does (tasks/capture.prepare_inputs, which
-also writes the vocab mapping), and each batch runs through the target with the same hooks
+The records are tokenised and masked exactly as the capture stage does (tasks/features/preparation.prepare_inputs,
+which also writes the vocab mapping), and each batch runs through the target with the same hooks
 (models/target_capture.capture_states). The states are rounded to `capture.dtype` like lossless shards, so
 online and offline training see the same numbers and give the same loss.
 
@@ -14,7 +14,10 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional, Sequence
 
 from models.target_capture import capture_states
-from tasks.capture import Sample, lossless_tensors
+from tasks.common.target_info import load_target_model, pad_token_id
+from tasks.features.manifest import build_manifest
+from tasks.features.preparation import Sample, prepare_inputs
+from tasks.features.writer import lossless_tensors
 
 
 class OnlineFeatures:
@@ -58,10 +61,8 @@ class OnlineFeatures:
 
 def open_online(cfg: Any) -> tuple[OnlineFeatures, Optional[OnlineFeatures], dict[str, Any]]:
     """Train and eval sources plus the manifest the trainer reads (aux ids, vocab hash, fingerprint)."""
-    from tasks.capture import build_manifest, load_model, pad_token_id, prepare_inputs
-
     inputs = prepare_inputs(cfg)
-    target = load_model(cfg, cfg.output_path / "target")
+    target = load_target_model(cfg, cfg.output_path / "target")
     target.eval()
     sources = {split: OnlineFeatures(inputs.samples[split], target, inputs.aux_ids, cfg.capture.dtype,
                                      pad_token_id(inputs.tokenizer), cfg.capture.batch_size)

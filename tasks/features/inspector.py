@@ -65,7 +65,7 @@ def inspection_rows(tokenizer: Any, record: PromptRecord, max_length: int) -> li
 
 def find_feature_record(features_dir: Path, sample_id: str) -> tuple[dict[str, Any], str]:
     """The captured record with this id, from the train or eval features."""
-    from tasks.features import FeatureSet
+    from tasks.features.shards import FeatureSet
 
     for split in ("train", "eval"):
         for record in FeatureSet(features_dir, split):

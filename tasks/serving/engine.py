@@ -1,7 +1,7 @@
 """Run an OpenAI-compatible serving engine (vLLM or SGLang) as a separate process from its own environment.
 
-The engine never shares our venv (its wheel pins its own torch/transformers; DESIGN §6): it is started with
-the `python` of its own virtualenv (`make serve-env` creates `.venv-vllm`), in a new session (setsid) so
+The engine never shares our venv (its wheel pins its own torch/transformers; docs/architecture.md §6): it is
+started with the `python` of its own virtualenv (`make serve-env` creates `.venv-vllm`), in a new session (setsid) so
 the whole process tree can be stopped by process group, bound to 127.0.0.1 only, with stdout+stderr kept in
 a log file. Readiness is `GET /v1/models` answering 200 within the start-up timeout; any failure to become
 ready stops the process tree and raises `EngineStartError` with the command, the exit code and the log tail.
@@ -50,7 +50,7 @@ DEFAULT_ENV: dict[str, dict[str, str]] = {
     "sglang": {"PYTHONUNBUFFERED": "1"},
 }
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class EngineStartError(RuntimeError):

@@ -18,7 +18,7 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on GPU; fp32 on CPU (bf16 matmuls are ~15x slower on these AVX2 CPUs, DESIGN §8)."""
+    """`auto`: bf16 on GPU; fp32 on CPU (bf16 matmuls are far slower than fp32 on AVX2 CPUs)."""
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32

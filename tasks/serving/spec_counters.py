@@ -1,4 +1,6 @@
-"""The engines' own speculative-decoding numbers (DESIGN §6) -> mean acceptance length and per-position rates.
+"""The engines' own speculative-decoding numbers -> mean acceptance length and per-position rates.
+
+docs/architecture.md §6.
 
 vLLM exposes counters (`vllm:spec_decode_*_total`, read before and after a window and subtracted); SGLang
 exposes gauges (`sglang:spec_accept_length`, `sglang:spec_accept_rate`, averaged over its ranks). The mean
@@ -10,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from tasks.engine import metric_total
+from tasks.serving.engine import metric_total
 
 VLLM_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts_total",

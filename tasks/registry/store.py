@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from contract.checkpoint import ENGINES, EXPORT_FILES
 from contract.config import RunConfig
-from tasks.artifacts import atomic_directory
-from tasks.checkpoint_doctor import ENGINES, EXPORT_FILES
-from tasks.registry_gates import Champion
+from tasks.common.artifacts import atomic_directory
+from tasks.registry.gates import Champion
 
 CANDIDATE, CHAMPION, PREVIOUS = "candidate", "champion", "previous"
 TAG_GATES_PASSED = "eaglet.gates_passed"
@@ -78,7 +78,7 @@ def registry_client(cfg: RunConfig) -> Any:
     """A client on the config's store (the registry lives in the same sqlite database)."""
     from mlflow import MlflowClient
 
-    from tasks.mlflow_store import tracking_uri
+    from tasks.common.mlflow_store import tracking_uri
 
     return MlflowClient(tracking_uri=tracking_uri(cfg))
 
@@ -121,7 +121,7 @@ def download_drafter(cfg_or_uri: RunConfig | str, model_name: str, alias: str, e
 
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    from tasks.mlflow_store import tracking_uri
+    from tasks.common.mlflow_store import tracking_uri
 
     uri = cfg_or_uri if isinstance(cfg_or_uri, str) else tracking_uri(cfg_or_uri)
     try:

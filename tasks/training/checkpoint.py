@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contract.config import RunConfig
-from tasks.artifacts import atomic_directory
-from tasks.train_data import Cursor
+from tasks.common.artifacts import atomic_directory
+from tasks.training.batch_plan import Cursor
 
 BEST_LINK = "best.json"
 

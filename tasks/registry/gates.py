@@ -4,7 +4,7 @@ A drafter becomes `champion` only when every gate passes; a gate that could not 
 engine, no comparable champion) is "not run", which blocks nothing. Each gate keeps its measured value and
 its threshold, so a refusal says by how much it missed.
 
-The checkpoint checks are what `eaglet doctor` prints (DESIGN §3, §5): the contract against the target,
+The checkpoint checks are what `eaglet doctor` prints (docs/architecture.md §3, §5): the contract against the target,
 the tensor names and shapes the engines load, and the aux layer ids written for the export's engine.
 No I/O here: tasks/register.py reads the files and calls these.
 """
@@ -204,7 +204,7 @@ class Check:
 
 
 def target_checks(contract: CheckpointContract, target_info: dict[str, Any]) -> list[Check]:
-    """DESIGN §5's load-time check (check_against_target), one line per field it refuses."""
+    """docs/architecture.md §5's load-time check (check_against_target), one line per field it refuses."""
     compared = "hidden_size, vocab_size, bos/eos/pad_token_id, tokenizer_hash, target_revision"
     try:
         check_against_target(contract, target_info)
@@ -216,7 +216,7 @@ def target_checks(contract: CheckpointContract, target_info: dict[str, Any]) -> 
 
 
 def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[str, list[int]]]:
-    """Name -> (dtype kind, shape) of every tensor the engines load (DESIGN §3), from config.json."""
+    """Name -> (dtype kind, shape) of every tensor the engines load (docs/architecture.md §3), from config.json."""
     hidden, inner = config["hidden_size"], config["intermediate_size"]
     target_hidden = config.get("target_hidden_size") or hidden
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
@@ -279,7 +279,8 @@ def config_checks(config: dict[str, Any], contract: CheckpointContract) -> list[
 
 
 def layer_id_checks(config: dict[str, Any], contract: CheckpointContract, num_target_layers: int) -> list[Check]:
-    """The engine captures the trained layers only if eagle_config is written in its convention (DESIGN §3)."""
+    """The engine captures the trained layers only if eagle_config is written in its convention
+    (docs/architecture.md §3)."""
     from models.draft_checkpoint import engine_layer_ids
 
     eagle = config.get("eagle_config") or {}

@@ -1,4 +1,4 @@
-"""`eaglet doctor`: the contract checks of DESIGN §3 and §5 on any checkpoint directory against a target.
+"""`eaglet doctor`: the contract checks (docs/architecture.md §3, §5) of any checkpoint directory against a target.
 
 Reads only headers (config.json, contract.json, the safetensors header): no tensor is loaded, no torch model
 is built, so it runs on any checkpoint in seconds. The register stage runs the same checks before it
@@ -10,14 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from contract.checkpoint import CheckpointContract
+from contract.checkpoint import ENGINES, EXPORT_FILES, CheckpointContract
 from contract.hashing import hash_files
-from tasks.artifacts import read_json
-from tasks.registry_gates import Check, checkpoint_checks
-
-# The export layout of models/draft_checkpoint.py, named here so the registry commands need not import torch.
-ENGINES = ("sglang", "vllm")
-EXPORT_FILES = ("config.json", "model.safetensors", "contract.json")
+from tasks.common.artifacts import read_json
+from tasks.registry.gates import Check, checkpoint_checks
 
 
 def tensor_headers(weights: Path) -> dict[str, tuple[str, list[int]]]:
@@ -69,7 +65,7 @@ def resolve_target_info(target: Path) -> dict[str, Any]:
 
 def describe_hf_directory(directory: Path) -> dict[str, Any]:
     from contract.config import ModelConfig
-    from tasks.target import describe_target, source_files_of
+    from tasks.common.target_info import describe_target, source_files_of
 
     revision = hash_files(source_files_of(directory), root=directory)
     model = ModelConfig(source="local", path=str(directory))

@@ -8,20 +8,18 @@ from typing import Any, Optional
 
 import torch
 
+from contract.checkpoint import ENGINES, CheckpointContract
 from contract.config import RunConfig
 from contract.config_loading import config_as_yaml
 from models.eagle3 import Eagle3Draft
-from tasks.artifacts import read_json, save_figure
-
-ENGINES = ("sglang", "vllm")
+from tasks.common.artifacts import read_json, save_figure
 
 
 def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: int, world_size: int,
            eval_metrics: dict[str, float], compute_dtype: str) -> None:
-    """draft/sglang and draft/vllm: the engine-ready checkpoint with its contract (DESIGN §3, §5)."""
-    from contract.checkpoint import CheckpointContract
+    """draft/sglang and draft/vllm: the engine-ready checkpoint with its contract (docs/architecture.md §3, §5)."""
     from models.draft_checkpoint import save_pretrained
-    from tasks.artifacts import atomic_directory
+    from tasks.common.artifacts import atomic_directory
 
     info = read_json(cfg.output_path / "target.json")
     config = draft.config
@@ -33,7 +31,7 @@ def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: 
         vocab_size=info["vocab_size"], draft_vocab_size=config.draft_vocab_size,
         vocab_mapping_hash=manifest.get("vocab_mapping_sha256"), bos_token_id=info["bos_token_id"],
         eos_token_id=info["eos_token_id"], pad_token_id=info["pad_token_id"],
-        training={"strategy": cfg.training.mode, "ttt_length": cfg.training.ttt_length, "dtype": compute_dtype,
+        training={"mode": cfg.training.mode, "ttt_length": cfg.training.ttt_length, "dtype": compute_dtype,
                   "master_weights": "float32", "steps": steps, "world_size": world_size,
                   "parallelism": cfg.deployment.trainer.strategy, "grad_accumulation": cfg.training.grad_accumulation},
         versions={"torch": torch.__version__}, evaluation=eval_metrics,
@@ -76,7 +74,7 @@ class training_tracker:
             return None
         import mlflow
 
-        from tasks.mlflow_store import ensure_experiment, tracking_uri
+        from tasks.common.mlflow_store import ensure_experiment, tracking_uri
 
         active = mlflow.active_run()
         if active is None:

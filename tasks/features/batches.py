@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from models.ttt import TTTBatch, teacher_from_hidden
-from tasks.features import dense_teacher, dequantise_aux
+from tasks.features.shards import dense_teacher, dequantise_aux
 
 
 def record_teacher(record: Mapping[str, Any], lm_head_weight: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Layout under `<output_dir>/features/`:
 
-    manifest.json                        what was captured, how, from which target (see tasks/capture.py)
+    manifest.json                        what was captured, how, from which target (tasks/features/manifest.py)
     capture_report.json                  per-id accounting of the capture stage
     {train,eval}/shard-00000.safetensors records packed along the token axis, no padding
 

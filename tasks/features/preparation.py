@@ -1,0 +1,120 @@
+"""Records on their way to features: tokenised and masked, with the draft vocabulary built from the train split.
+
+Each record of `data/{train,eval}.jsonl` is rendered and masked by contract/chat_rendering (pre-templated
+`text` through `spans_in_pretemplated`) and truncated to `validation.max_length`, exactly as validate and
+`eaglet inspect` do. Records without a supervised token become skipped outcomes with a reason. The capture
+stage writes shards from these samples; online training (tasks/features/online.py) captures from them per batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from contract.chat_rendering import TemplateError, render_with_spans, spans_in_pretemplated, tokenize_with_mask
+from contract.config import RunConfig
+from contract.records import Outcome, read_prompt_records
+from models.target_capture import resolve_aux_layer_ids
+from models.vocab_mapping import VocabMapping, build_vocab_mapping, count_tokens, mapping_summary, save_vocab_mapping
+from tasks.common.target_info import TargetInfo, load_tokenizer, read_target_info
+from tasks.features.shards import SHARD_SCHEMA
+
+SPLITS = ("train", "eval")
+
+
+@dataclass
+class Sample:
+    """One record, tokenised and masked, on its way into a shard."""
+
+    key: str
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass
+class CaptureInputs:
+    """The records of both splits, tokenised and masked, with the vocab mapping built from the train split:
+    what offline capture writes shards from and what online training captures from per batch."""
+
+    info: TargetInfo
+    tokenizer: Any
+    aux_ids: list[int]
+    samples: dict[str, list[Sample]]
+    outcomes: list[Outcome]
+    source_of: dict[str, str]
+    mapping: VocabMapping
+    vocab_path: Path
+    vocab_hash: str
+    vocab_summary: dict[str, Any]
+    fingerprint: str
+
+
+def prepare_inputs(cfg: RunConfig) -> CaptureInputs:
+    """Tokenise `<output_dir>/data/{train,eval}.jsonl` and write `vocab/vocab_mapping.safetensors`."""
+    out = cfg.output_path
+    info = read_target_info(out)
+    tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
+    aux_ids = resolve_aux_layer_ids(cfg.capture.aux_layer_ids, info.num_hidden_layers)
+    samples: dict[str, list[Sample]] = {}
+    outcomes: list[Outcome] = []
+    source_of: dict[str, str] = {}
+    for split in SPLITS:
+        samples[split] = prepare_split(out / "data" / f"{split}.jsonl", split, tokenizer, cfg.validation.max_length,
+                                       info.vocab_size, outcomes, source_of)
+    counts = count_tokens(((s.input_ids, s.loss_mask) for s in samples["train"]), info.vocab_size)
+    mapping = build_vocab_mapping(counts, info.vocab_size, cfg.capture.draft_vocab_size)
+    vocab_path = out / "vocab" / "vocab_mapping.safetensors"
+    vocab_summary = mapping_summary(mapping, counts)
+    vocab_hash = save_vocab_mapping(mapping, vocab_path, vocab_summary)
+    fingerprint = settings_fingerprint(cfg, info, aux_ids, vocab_hash)
+    return CaptureInputs(info, tokenizer, aux_ids, samples, outcomes, source_of, mapping, vocab_path, vocab_hash,
+                         vocab_summary, fingerprint)
+
+
+def prepare_split(path: Path, split: str, tokenizer: Any, max_length: int, vocab_size: int,
+                  outcomes: list[Outcome], source_of: dict[str, str]) -> list[Sample]:
+    """Tokenise and mask every record of one split; non-ok records become outcomes with a reason.
+    validate wrote the file, so a line that is not a PromptRecord is a hard error."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no {split} records; run the validate stage first")
+    samples = []
+    for number, record in read_prompt_records(path):
+        key = f"{split}.jsonl:{number}"
+        source_of[key] = record.source
+        try:
+            rendered = (spans_in_pretemplated(tokenizer, record.text) if record.text is not None
+                        else render_with_spans(tokenizer, record.messages))
+            sample = tokenize_with_mask(tokenizer, rendered, max_length)
+        except TemplateError as error:
+            outcomes.append(Outcome(key=key, id=record.id, status="error", reason=f"template: {error}"))
+            continue
+        if sample.input_ids and max(sample.input_ids) >= vocab_size:
+            outcomes.append(Outcome(key=key, id=record.id, status="error",
+                                    reason=f"token id {max(sample.input_ids)} outside the target vocab {vocab_size}"))
+            continue
+        if not sample.supervised_tokens:
+            where = (f"in its first {max_length} tokens (validation.max_length)" if sample.truncated
+                     else "(no supervised assistant turn)")
+            outcomes.append(Outcome(key=key, id=record.id, status="skipped", reason=f"no supervised token {where}"))
+            continue
+        outcomes.append(Outcome(key=key, id=record.id, status="ok"))
+        samples.append(Sample(key, record.id, sample.input_ids, sample.loss_mask))
+    return samples
+
+
+def settings_fingerprint(cfg: RunConfig, info: TargetInfo, aux_ids: list[int], vocab_hash: str) -> str:
+    """Everything besides the records that decides a shard's bytes; a shard written under others is redone."""
+    settings: dict[str, Any] = {
+        "schema": SHARD_SCHEMA, "mode": cfg.capture.mode, "aux_layer_ids": aux_ids,
+        "target_revision": info.revision, "tokenizer_hash": info.tokenizer_hash,
+        "chat_template_hash": info.chat_template_hash, "model_dtype": cfg.model.dtype,
+    }
+    if cfg.capture.mode == "lossless":
+        settings["dtype"] = cfg.capture.dtype
+    else:  # the teacher depends on which ids are in the draft vocab
+        settings.update({"compact_topk": cfg.capture.compact_topk, "vocab_mapping_sha256": vocab_hash})
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,1 @@
+"""Serving engines as separate processes, the streaming OpenAI client and the engines' speculative counters."""
