@@ -62,7 +62,11 @@ class DataSource(Section):
 
 
 class DataConfig(Section):
+    """The inputs of the ingest stage, read in order; `dedupe` drops later copies of a conversation
+    (tasks/data/dedupe.py: `user_turns` = same system and user turns, `first_prompt` = same first user turn)."""
+
     sources: list[DataSource] = Field(default_factory=list)
+    dedupe: Literal["user_turns", "first_prompt", "none"] = "user_turns"
 
     @model_validator(mode="after")
     def _unique_names(self) -> "DataConfig":

@@ -2,22 +2,26 @@
 
 Writes `data/prompts.jsonl` (PromptRecord per line) and `data/ingest_report.json`, where every input item
 is ok, error (with the reason and file:line) or skipped (with the reason), and the three add up to the input.
+Sources are read in order; a repeated id, or a copy of a conversation already taken (`data.dedupe`,
+tasks/data/dedupe.py), is skipped naming the first one, and does not use up the source's `limit`. The report's
+`by_source` counts are after deduplication, and `metrics["duplicates.<source>"]` counts the copies per source.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract.config import DataSource, RunConfig
 from contract.records import Outcome, PromptRecord, Provenance, StageReport
 from tasks.common.artifacts import write_json, write_jsonl
 from tasks.common.assets import ASSETS, asset_path
+from tasks.common.progress import advance, progress_bar
+from tasks.data.dedupe import conversation_key
 from tasks.data.formats import BadRecord, Normalised, normalise
 from tasks.data.input_files import iter_items
-from tasks.common.progress import advance, progress_bar
 
 ASSET_FORMATS = {"mtbench": "mtbench", "sharegpt-dummy": "sharegpt", "humaneval": "humaneval", "chitchat": "chitchat"}
 
@@ -45,14 +49,16 @@ def run(cfg: RunConfig) -> IngestResult:
     records: list[PromptRecord] = []
     outcomes: list[Outcome] = []
     source_of: dict[str, str] = {}
-    first_seen: dict[str, str] = {}
+    seen = Seen(cfg.data.dedupe)
     for source in cfg.data.sources:
-        for record, outcome in ingest_source(source, first_seen):
+        for record, outcome in ingest_source(source, seen):
             outcomes.append(outcome)
             source_of[outcome.key] = source.name
             if record is not None:
                 records.append(record)
     report = StageReport.from_outcomes("ingest", outcomes, source_of)
+    for source in cfg.data.sources:
+        report.metrics[f"duplicates.{source.name}"] = float(seen.copies.get(source.name, 0))
     data_dir = cfg.output_path / "data"
     prompts_path = data_dir / "prompts.jsonl"
     report_path = data_dir / "ingest_report.json"
@@ -72,8 +78,26 @@ def source_file(source: DataSource) -> tuple[Path, str, str]:
     return path, source.format, str(path)
 
 
-def ingest_source(source: DataSource, first_seen: dict[str, str]):
-    """Yield (record or None, outcome) for every item of one source; `first_seen` tracks ids across sources."""
+@dataclass
+class Seen:
+    """What earlier items (of every source) took: ids and conversation keys, each with the first holder."""
+
+    dedupe: str
+    ids: dict[str, str] = field(default_factory=dict)
+    conversations: dict[str, str] = field(default_factory=dict)
+    copies: dict[str, int] = field(default_factory=dict)
+
+    def copy_of(self, source: str, key: str | None) -> str | None:
+        """The id of the record this conversation copies, counting the copy; None when it is new."""
+        if key is None or key not in self.conversations:
+            return None
+        self.copies[source] = self.copies.get(source, 0) + 1
+        return self.conversations[key]
+
+
+def ingest_source(source: DataSource, seen: Seen):
+    """Yield (record or None, outcome) for every item of one source; `seen` tracks ids and conversations
+    across sources."""
     path, fmt, portable = source_file(source)
     accepted = 0
     items = list(iter_items(path))
@@ -93,12 +117,22 @@ def ingest_source(source: DataSource, first_seen: dict[str, str]):
                 yield None, Outcome(key=key, status="error", reason=f"{portable} item {item.line}: {error}")
                 continue
             record_id = f"{source.name}:{normalised.original_id or content_id(item.data)}"
-            if record_id in first_seen:
-                yield None, Outcome(key=key, id=record_id, status="skipped", reason=f"duplicate id {record_id} (first at {first_seen[record_id]})")
+            if record_id in seen.ids:
+                yield None, Outcome(key=key, id=record_id, status="skipped",
+                                    reason=f"duplicate id {record_id} (first at {seen.ids[record_id]})")
                 continue
-            first_seen[record_id] = key
             if source.max_user_turns is not None:
                 keep_user_turns(normalised, source.max_user_turns)
+            conversation = conversation_key(normalised, seen.dedupe)
+            original = seen.copy_of(source.name, conversation)
+            if original is not None:
+                yield None, Outcome(key=key, id=record_id, status="skipped",
+                                    reason=f"copy of {original} (data.dedupe={seen.dedupe}: same "
+                                           f"{'first user turn' if seen.dedupe == 'first_prompt' else 'user turns'})")
+                continue
+            seen.ids[record_id] = key
+            if conversation is not None:
+                seen.conversations[conversation] = record_id
             split = source.split if source.split != "auto" else normalised.split
             record = PromptRecord(
                 id=record_id,

@@ -325,7 +325,7 @@ def test_identical_records_without_id_are_deduplicated(ingest_items):
 
 def test_invalid_utf8_line_is_one_error(tmp_path):
     path = tmp_path / "in.jsonl"
-    path.write_bytes(b'{"id": "a", "text": "ok"}\n{"id": "b", "text": "\xff\xfe"}\n{"id": "c", "text": "ok"}\n')
+    path.write_bytes(b'{"id": "a", "text": "ok"}\n{"id": "b", "text": "\xff\xfe"}\n{"id": "c", "text": "ok too"}\n')
     run = run_ingest(tmp_path / "out", [{"name": "src", "path": str(path)}])
     assert [outcome.status for outcome in run.report.outcomes] == ["ok", "error", "ok"]
 
@@ -339,7 +339,7 @@ def test_explicit_format_missing_field_is_an_error(ingest_items, fmt):
 def test_parquet_sharegpt_with_mixed_turn_keys(ingest_items):
     rows = [
         {"id": "a", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
-        {"id": "b", "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"id": "b", "conversations": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a"}]},
     ]
     run, _ = ingest_items(rows, "in.parquet")
     assert run.report.ok == 2, run.report.outcomes
@@ -510,3 +510,78 @@ def test_max_user_turns_cuts_long_conversations_and_says_so(tmp_path):
     assert [m.content for m in long.messages] == ["question 0", "answer 0", "question 1", "answer 1"]
     assert long.metadata == {"dropped_turns": "6"}
     assert len(short.messages) == 2 and short.metadata == {}
+
+
+# --------------------------------------------------------------------------------------------- 9. deduplication
+
+
+def chat(record_id: str, *user_turns: str) -> dict[str, Any]:
+    """A ShareGPT item whose assistant turns differ per id (regeneration rewrites them anyway)."""
+    turns: list[dict[str, str]] = []
+    for index, text in enumerate(user_turns):
+        turns += [{"from": "human", "value": text}, {"from": "gpt", "value": f"{record_id} answer {index}"}]
+    return {"id": record_id, "conversations": turns}
+
+
+def dedupe_run(tmp_path: Path, mode: str, sources: list[dict[str, Any]]) -> Ingested:
+    return run_config(RunConfig.model_validate(
+        {"output_dir": str(tmp_path / f"out-{mode}"), "data": {"dedupe": mode, "sources": sources}}))
+
+
+COPIES = [chat("a", "What is up?", "Tell me a joke"), chat("b", "  what is UP ", "tell me a joke!"),
+          chat("c", "What is up?", "Tell me a story"), chat("d", "Who are you?")]
+
+
+@pytest.mark.parametrize("mode, kept, skipped", [
+    ("user_turns", ["src:a", "src:c", "src:d"], {"src:b": "copy of src:a (data.dedupe=user_turns: same user turns)"}),
+    ("first_prompt", ["src:a", "src:d"], {"src:b": "copy of src:a (data.dedupe=first_prompt: same first user turn)",
+                                          "src:c": "copy of src:a (data.dedupe=first_prompt: same first user turn)"}),
+    ("none", ["src:a", "src:b", "src:c", "src:d"], {}),
+])
+def test_copies_of_a_conversation_are_skipped_naming_the_first(tmp_path, mode, kept, skipped):
+    path = write_items(tmp_path / "chats.jsonl", COPIES)
+    run = dedupe_run(tmp_path, mode, [{"name": "src", "path": str(path)}])
+    assert [record.id for record in run.records] == kept
+    assert {o.id: o.reason for o in run.report.outcomes if o.status == "skipped"} == skipped
+    assert run.report.by_source["src"] == {"input": 4, "ok": len(kept), "error": 0, "skipped": len(skipped)}
+    assert run.report.metrics["duplicates.src"] == len(skipped)
+
+
+def test_a_copy_does_not_use_up_the_limit(tmp_path):
+    path = write_items(tmp_path / "chats.jsonl", COPIES)
+    run = dedupe_run(tmp_path, "first_prompt", [{"name": "src", "path": str(path), "limit": 2}])
+    assert [record.id for record in run.records] == ["src:a", "src:d"]
+    assert run.report.ok == 2 and run.report.skipped == 2
+
+
+def test_a_train_copy_of_a_held_out_question_is_skipped_across_sources(tmp_path):
+    held_out = write_items(tmp_path / "eval.jsonl", [chat("q1", "Compose a travel blog post about Hawaii.")])
+    train = write_items(tmp_path / "train.jsonl", [chat("t1", "compose a travel blog post about hawaii"),
+                                                   chat("t2", "Something else")])
+    run = dedupe_run(tmp_path, "user_turns", [{"name": "heldout", "path": str(held_out), "split": "eval"},
+                                              {"name": "train", "path": str(train)}])
+    assert [record.id for record in run.records] == ["heldout:q1", "train:t2"]
+    assert run.report.metrics == {"duplicates.heldout": 0.0, "duplicates.train": 1.0}
+    assert run.report.by_source["train"] == {"input": 2, "ok": 1, "error": 0, "skipped": 1}
+
+
+def test_copies_are_judged_after_the_turn_cut(tmp_path):
+    path = write_items(tmp_path / "chats.jsonl", [chat("long", "hi", "how are you", "bye"), chat("short", "hi", "how are you")])
+    run = dedupe_run(tmp_path, "user_turns", [{"name": "src", "path": str(path), "max_user_turns": 2}])
+    assert [record.id for record in run.records] == ["src:long"]
+    assert run.report.outcomes[1].reason == "copy of src:long (data.dedupe=user_turns: same user turns)"
+
+
+def test_pretemplated_text_copies_are_skipped(ingest_items):
+    run, _ = ingest_items([{"id": "x", "text": "Hello  World"}, {"id": "y", "text": "hello world"}])
+    assert [record.id for record in run.records] == ["src:x"]
+    assert run.report.outcomes[1].reason.startswith("copy of src:x")
+
+
+def test_sharegpt_dummy_keeps_one_record_per_distinct_conversation(tmp_path):
+    """FastChat's dummy set repeats conversations (167 open with "What is up?"): copies are not data."""
+    source = [{"name": "sharegpt", "asset": "sharegpt-dummy"}]
+    by_turns = dedupe_run(tmp_path, "user_turns", source).report.by_source["sharegpt"]
+    by_first = dedupe_run(tmp_path, "first_prompt", source).report.by_source["sharegpt"]
+    assert by_turns == {"input": 500, "ok": 154, "error": 0, "skipped": 346}
+    assert by_first == {"input": 500, "ok": 52, "error": 0, "skipped": 448}
