@@ -195,8 +195,12 @@ class EvaluationConfig(Section):
 
 
 class BenchmarkConfig(Section):
+    """The serving benchmark. `rounds` alternate without/with the drafter (a fresh engine each time), so that a
+    shared machine's noise shows as the spread of the per-round speedups instead of being read as a result."""
+
     engines: list[Literal["vllm", "sglang"]] = Field(default_factory=list)
     concurrency: list[int] = Field(default_factory=lambda: [1, 4])
+    rounds: int = Field(default=1, ge=1)
     num_requests: int = Field(default=16, ge=1)
     max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)

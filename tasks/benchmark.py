@@ -1,13 +1,19 @@
 """benchmark stage: serve the target with and without the drafter on a real engine and measure what changes.
 
 For each engine in `benchmark.engines` (vLLM's CPU build here, SGLang on GPU hosts: the same code, with the
-engine's own command and metrics), the target `<output_dir>/target` is served twice from the engine's own
-environment (tasks/serving/engine.py): first alone ("baseline"), then with the EAGLE3 export `draft/<engine>`
-("eagle3", `evaluation.steps` speculative tokens, chain). Both serve the same requests: the first user turn
-(with any system turns before it) of each held-out record in `data/eval.jsonl`, `benchmark.num_requests` of
-them (cycling when there are fewer), through the chat endpoint so the engine applies the chat template.
-Every concurrency level of `benchmark.concurrency` sends them all with that many in flight, streaming
-(tasks/serving/client.py: TTFT, TPOT, ITL, latency, output tok/s, request/s).
+engine's own command and metrics), the target `<output_dir>/target` is served from the engine's own
+environment (tasks/serving/engine.py) alone ("baseline") and with the EAGLE3 export `draft/<engine>`
+("eagle3", `evaluation.steps` speculative tokens, chain), one fresh engine at a time, alternating
+baseline, eagle3, baseline, eagle3, ... for `benchmark.rounds` rounds. Both serve the same requests: one per
+supervised assistant turn (the conversation before it) of the held-out records in `data/eval.jsonl` that the
+evaluate stage decodes, `benchmark.num_requests` of them (cycling when there are fewer), through the chat
+endpoint so the engine applies the chat template. Every concurrency level of `benchmark.concurrency` sends
+them all with that many in flight, streaming (tasks/serving/client.py: TTFT, TPOT, ITL, latency, output
+tok/s, request/s).
+
+Speedup per level = eagle3 output tok/s / baseline output tok/s of the same round (the two engines ran back
+to back); the report gives every round's ratio and their median with min and max, so a shared machine's
+noise is visible as spread. Each variant's `levels` are those of its median-throughput round.
 
 What the stage checks (a failure is written to the report first, then raised as BenchmarkFailed):
   - every request completed;
@@ -25,11 +31,12 @@ accepted / drafts + 1, acceptance rate at position i = accepted_i / drafts. SGLa
 
 Writes
   benchmark/report.json      settings, per engine and variant: startup time, peak RSS of the engine's
-                             process tree, per level throughput and latency percentiles, acceptance;
-                             speedup per level, greedy comparison, acceptance check, failures
-  benchmark/requests.jsonl   one row per request (engine, variant, level, timings, text)
+                             process tree, per level throughput and latency percentiles, every round,
+                             acceptance over all rounds; speedup per level (median, min, max, per round),
+                             greedy comparison, acceptance check, failures
+  benchmark/requests.jsonl   one row per request (engine, variant, round, level, timings, text)
   benchmark/serving.png      output tok/s and TPOT P50 per concurrency, with and without the drafter
-  benchmark/logs/<engine>-<variant>.log   engine logs
+  benchmark/logs/<engine>-<variant>[-round<N>].log   engine logs
 
     .venv/bin/eaglet stage benchmark --config params.yaml benchmark.engines='[vllm]'
 """
@@ -37,6 +44,7 @@ Writes
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,11 +92,12 @@ class BenchmarkResult:
 
 @dataclass
 class VariantRun:
-    """One engine process (baseline or eagle3) and what it measured."""
+    """One engine process (baseline or eagle3, one round) and what it measured."""
 
     variant: str
     report: dict[str, Any]
     results: dict[int, list[RequestResult]] = field(default_factory=dict)  # by concurrency
+    round: int = 1
 
 
 def run(cfg: RunConfig) -> BenchmarkResult:
@@ -109,14 +118,17 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     engines: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
     for kind in settings.engines:
-        baseline = measure_variant(cfg, kind, "baseline", requests, sampling, None, steps)
-        eagle3 = measure_variant(cfg, kind, "eagle3", requests, sampling, out / "draft" / kind, steps)
-        engines[kind] = engine_report(cfg, kind, baseline, eagle3, steps)
-        rows += request_rows(kind, baseline) + request_rows(kind, eagle3)
+        baselines, eagle3s = [], []
+        for round_number in range(1, settings.rounds + 1):  # alternate: without, with, without, with, ...
+            baselines.append(measure_variant(cfg, kind, "baseline", requests, sampling, None, steps, round_number))
+            eagle3s.append(measure_variant(cfg, kind, "eagle3", requests, sampling, out / "draft" / kind, steps,
+                                           round_number))
+        engines[kind] = engine_report(cfg, kind, baselines, eagle3s, steps)
+        rows += [row for measured in baselines + eagle3s for row in request_rows(kind, measured)]
 
     report = {
         "settings": {
-            "concurrency": list(settings.concurrency), "num_requests": settings.num_requests,
+            "concurrency": list(settings.concurrency), "rounds": settings.rounds, "num_requests": settings.num_requests,
             "max_tokens": settings.max_tokens, "temperature": settings.temperature,
             "num_speculative_tokens": steps, "eval_records": len(records),
             "distinct_prompts": len({request.prompt_id for request in requests}),
@@ -169,9 +181,12 @@ def build_requests(records: list[PromptRecord], count: int) -> list[ChatRequest]
 # --- serving and measuring ------------------------------------------------------------------------------
 
 
-def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optional[Path], steps: int) -> EngineLaunch:
-    """The engine from runtime.engines, on the run's target, logging to benchmark/logs/<engine>-<variant>.log."""
-    log_path = cfg.output_path / "benchmark" / "logs" / f"{kind}-{variant}.log"
+def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optional[Path], steps: int,
+                  round_number: int = 1) -> EngineLaunch:
+    """The engine from runtime.engines, on the run's target, logging to
+    benchmark/logs/<engine>-<variant>.log (`-round<N>` added from the second round on)."""
+    suffix = f"-round{round_number}" if round_number > 1 else ""
+    log_path = cfg.output_path / "benchmark" / "logs" / f"{kind}-{variant}{suffix}.log"
     log_path.unlink(missing_ok=True)  # start_engine appends; this run's log holds only this run
     launch = EngineLaunch.from_config(kind, cfg.runtime.engines[kind], model=cfg.output_path / "target",
                                       log_path=log_path, draft=draft, num_speculative_tokens=steps)
@@ -180,13 +195,13 @@ def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optiona
 
 
 def measure_variant(cfg: RunConfig, kind: EngineKind, variant: str, requests: list[ChatRequest],
-                    sampling: Sampling, draft: Optional[Path], steps: int) -> VariantRun:
+                    sampling: Sampling, draft: Optional[Path], steps: int, round_number: int = 1) -> VariantRun:
     """Start the engine, warm it up, run every concurrency level, stop it."""
-    launch = engine_launch(cfg, kind, variant, draft, steps)
+    launch = engine_launch(cfg, kind, variant, draft, steps, round_number)
     started = time.monotonic()
     with serve(launch) as engine:
         startup_s = time.monotonic() - started
-        measured = VariantRun(variant=variant, report={
+        measured = VariantRun(variant=variant, round=round_number, report={
             "command": engine.command, "log": str(launch.log_path), "startup_s": startup_s, "levels": [],
         })
         warm_up(engine, requests[0])
@@ -196,8 +211,6 @@ def measure_variant(cfg: RunConfig, kind: EngineKind, variant: str, requests: li
                 measured.report["levels"].append(level)
                 measured.results[concurrency] = results
         measured.report["peak_rss_mib"] = memory.peak_bytes / 2**20
-    if draft is not None:
-        measured.report["speculative"] = overall_acceptance(kind, measured.report["levels"])
     return measured
 
 
@@ -273,13 +286,17 @@ def tree_rss_bytes(pid: int) -> int:
 # --- checks ---------------------------------------------------------------------------------------------
 
 
-def engine_report(cfg: RunConfig, kind: str, baseline: VariantRun, eagle3: VariantRun, steps: int) -> dict[str, Any]:
-    """Both variants of one engine side by side, with the speedups and every check."""
-    failures = failed_requests(kind, baseline) + failed_requests(kind, eagle3)
-    drafted = drafting_check(kind, eagle3.report["speculative"])
-    greedy = compare_greedy(baseline, eagle3) if cfg.benchmark.temperature == 0 else {
+def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], eagle3s: list[VariantRun],
+                  steps: int) -> dict[str, Any]:
+    """Both variants of one engine side by side over every round, with the speedups and every check."""
+    failures = [failure for measured in baselines + eagle3s for failure in failed_requests(kind, measured)]
+    baseline, eagle3 = combine_rounds(baselines), combine_rounds(eagle3s)
+    eagle3["speculative"] = overall_acceptance(kind, [level for measured in eagle3s
+                                                      for level in measured.report["levels"]])
+    drafted = drafting_check(kind, eagle3["speculative"])
+    greedy = compare_greedy_rounds(baselines, eagle3s) if cfg.benchmark.temperature == 0 else {
         "status": "skipped", "reason": "temperature > 0: outputs are sampled"}
-    contract = check_acceptance(cfg, kind, eagle3.report["speculative"]["mean_accept_length"], steps)
+    contract = check_acceptance(cfg, kind, eagle3["speculative"]["mean_accept_length"], steps)
     if drafted:
         failures.append(drafted)
     if greedy.get("mismatches"):
@@ -287,22 +304,47 @@ def engine_report(cfg: RunConfig, kind: str, baseline: VariantRun, eagle3: Varia
     if contract["status"] == "failed":
         failures.append(contract["reason"])
     return {
-        "baseline": baseline.report,
-        "eagle3": eagle3.report,
-        "speedup": speedups(baseline.report["levels"], eagle3.report["levels"]),
+        "baseline": baseline,
+        "eagle3": eagle3,
+        "speedup": speedups([measured.report["levels"] for measured in baselines],
+                            [measured.report["levels"] for measured in eagle3s]),
         "greedy": greedy,
         "acceptance_check": contract,
         "failures": failures,
     }
 
 
-def speedups(baseline: list[dict[str, Any]], eagle3: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Output tok/s with the drafter over without it, per concurrency level."""
+def combine_rounds(runs: list[VariantRun]) -> dict[str, Any]:
+    """One variant over its rounds: per concurrency the level of the median-throughput round (a real
+    measurement, not an average of percentiles), the median start-up, the largest peak RSS, every round kept."""
+    levels = []
+    for index, level in enumerate(runs[0].report["levels"]):
+        by_rate = sorted((measured.report["levels"][index] for measured in runs),
+                         key=lambda candidate: candidate["output_tokens_per_s"])
+        levels.append(by_rate[(len(by_rate) - 1) // 2])
+    return {
+        "command": runs[0].report["command"], "log": runs[0].report["log"],
+        "startup_s": statistics.median(measured.report["startup_s"] for measured in runs),
+        "peak_rss_mib": max(measured.report["peak_rss_mib"] for measured in runs),
+        "levels": levels,
+        "rounds": [{"round": measured.round, **measured.report} for measured in runs],
+    }
+
+
+def speedups(baseline_rounds: list[list[dict[str, Any]]], eagle3_rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Output tok/s with the drafter over without it, per concurrency level: one ratio per round (each round's
+    pair of engines ran back to back), reported as the median with its spread."""
     rows = []
-    for plain, drafted in zip(baseline, eagle3):
-        base = plain["output_tokens_per_s"]
-        rows.append({"concurrency": plain["concurrency"],
-                     "output_tokens_per_s": drafted["output_tokens_per_s"] / base if base > 0 else None})
+    for index, level in enumerate(baseline_rounds[0]):
+        ratios = []
+        for plain_levels, drafted_levels in zip(baseline_rounds, eagle3_rounds):
+            base = plain_levels[index]["output_tokens_per_s"]
+            ratios.append(drafted_levels[index]["output_tokens_per_s"] / base if base > 0 else None)
+        measured = [ratio for ratio in ratios if ratio is not None]
+        rows.append({"concurrency": level["concurrency"],
+                     "output_tokens_per_s": statistics.median(measured) if measured else None,
+                     "min": min(measured) if measured else None, "max": max(measured) if measured else None,
+                     "per_round": ratios})
     return rows
 
 
@@ -311,8 +353,9 @@ def failed_requests(kind: str, measured: VariantRun) -> list[str]:
     for concurrency, results in measured.results.items():
         failed = [result for result in results if not result.ok]
         if failed:
-            failures.append(f"{kind} {measured.variant}: {len(failed)} of {len(results)} requests failed at "
-                            f"concurrency {concurrency}, first: {failed[0].prompt_id}: {failed[0].error}")
+            failures.append(f"{kind} {measured.variant} (round {measured.round}): {len(failed)} of {len(results)} "
+                            f"requests failed at concurrency {concurrency}, first: {failed[0].prompt_id}: "
+                            f"{failed[0].error}")
     return failures
 
 
@@ -333,6 +376,14 @@ def first_difference(left: str, right: str) -> int:
     return min(len(left), len(right))
 
 
+def compare_greedy_rounds(baselines: list[VariantRun], eagle3s: list[VariantRun]) -> dict[str, Any]:
+    """Every round's pair compared; any mismatch in any round fails."""
+    compared = [compare_greedy(baseline, eagle3) for baseline, eagle3 in zip(baselines, eagle3s)]
+    mismatches = [mismatch for result in compared for mismatch in result["mismatches"]]
+    return {"status": "failed" if mismatches else "ok", "compared": sum(result["compared"] for result in compared),
+            "mismatches": mismatches}
+
+
 def compare_greedy(baseline: VariantRun, eagle3: VariantRun) -> dict[str, Any]:
     """Request for request at every level: the text with the drafter must equal the text without it."""
     mismatches = []
@@ -347,7 +398,7 @@ def compare_greedy(baseline: VariantRun, eagle3: VariantRun) -> dict[str, Any]:
             at = first_difference(plain.text, drafted.text)
             mismatches.append({
                 "prompt_id": plain.prompt_id, "request": plain.index, "concurrency": concurrency,
-                "first_difference": at, "baseline": plain.text[max(0, at - 20):at + SNIPPET_CHARS],
+                "round": baseline.round, "first_difference": at, "baseline": plain.text[max(0, at - 20):at + SNIPPET_CHARS],
                 "eagle3": drafted.text[max(0, at - 20):at + SNIPPET_CHARS],
             })
     return {"status": "failed" if mismatches else "ok", "compared": compared, "mismatches": mismatches}
@@ -416,7 +467,8 @@ def request_rows(kind: str, measured: VariantRun) -> list[dict[str, Any]]:
     for concurrency, results in measured.results.items():
         for result in results:
             rows.append({
-                "engine": kind, "variant": measured.variant, "concurrency": concurrency, "request": result.index,
+                "engine": kind, "variant": measured.variant, "round": measured.round, "concurrency": concurrency,
+                "request": result.index,
                 "prompt_id": result.prompt_id, "output_tokens": result.output_tokens,
                 "content_chunks": result.content_chunks, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
                 "latency_s": result.latency_s, "finish_reason": result.finish_reason, "error": result.error,
@@ -494,6 +546,8 @@ def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
                     metrics[f"{kind}_c{level['concurrency']}_mean_accept_length"] = accept_length
         for row in engine["speedup"]:
             metrics[f"{kind}_c{row['concurrency']}_speedup"] = row["output_tokens_per_s"]
+            metrics[f"{kind}_c{row['concurrency']}_speedup_min"] = row["min"]
+            metrics[f"{kind}_c{row['concurrency']}_speedup_max"] = row["max"]
         speculative = engine["eagle3"]["speculative"]
         metrics[f"{kind}_mean_accept_length"] = speculative["mean_accept_length"]
         metrics[f"{kind}_draft_acceptance_rate"] = speculative["draft_acceptance_rate"]

@@ -330,10 +330,10 @@ def test_missing_inputs_are_refused_before_any_engine_starts(tmp_path: Path) -> 
 
 
 def canned_variant(cfg: RunConfig, kind: str, variant: str, requests: list[ChatRequest], sampling: Sampling,
-                   draft: Path | None, steps: int) -> benchmark.VariantRun:
+                   draft: Path | None, steps: int, round_number: int = 1) -> benchmark.VariantRun:
     """What measure_variant returns, without an engine: the drafter changes the text of prompt s:2."""
-    run = benchmark.VariantRun(variant=variant, report={"command": [], "log": "", "startup_s": 1.0,
-                                                        "peak_rss_mib": 100.0, "levels": []})
+    run = benchmark.VariantRun(variant=variant, round=round_number,
+                               report={"command": [], "log": "", "startup_s": 1.0, "peak_rss_mib": 100.0, "levels": []})
     for concurrency in cfg.benchmark.concurrency:
         results = []
         for chat in requests:
@@ -346,8 +346,6 @@ def canned_variant(cfg: RunConfig, kind: str, variant: str, requests: list[ChatR
             level["speculative"] = {"window": window, **spec_counters.acceptance(kind, window)}
         run.report["levels"].append(level)
         run.results[concurrency] = results
-    if draft is not None:
-        run.report["speculative"] = spec_counters.overall_acceptance(kind, run.report["levels"])
     return run
 
 
@@ -366,13 +364,51 @@ def test_a_failed_check_writes_the_report_then_raises(tmp_path: Path, monkeypatc
     assert not report["passed"] and len(report["failures"]) == 1
     greedy = report["engines"]["vllm"]["greedy"]
     assert greedy["compared"] == 6 and [m["request"] for m in greedy["mismatches"]] == [1, 1]
-    assert report["engines"]["vllm"]["speedup"] == [{"concurrency": 1, "output_tokens_per_s": 2.0},
-                                                  {"concurrency": 2, "output_tokens_per_s": 2.0}]
+    assert report["engines"]["vllm"]["speedup"] == [
+        {"concurrency": 1, "output_tokens_per_s": 2.0, "min": 2.0, "max": 2.0, "per_round": [2.0]},
+        {"concurrency": 2, "output_tokens_per_s": 2.0, "min": 2.0, "max": 2.0, "per_round": [2.0]}]
     summary = failure.value.result.summary()
     assert summary["passed"] == 0.0 and summary["vllm_greedy_mismatches"] == 2.0
     assert summary["vllm_mean_accept_length"] == 2.5 and summary["vllm_acceptance_rate_pos2"] == 0.25
     assert (tmp_path / "benchmark" / "serving.png").is_file()
     assert len((tmp_path / "benchmark" / "requests.jsonl").read_text().splitlines()) == 2 * 2 * 3
+
+
+def test_rounds_alternate_and_report_the_median_speedup_with_its_spread(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three rounds whose machine gets noisier: each round's ratio pairs the engines that ran back to back."""
+    for directory in ("target", "draft/vllm", "data"):
+        (tmp_path / directory).mkdir(parents=True)
+    record = prompt_record("s:1", [{"role": "user", "content": "question"}, {"role": "assistant", "content": "a"}])
+    (tmp_path / "data" / "eval.jsonl").write_text(record.model_dump_json() + "\n")
+    cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "tracking": {"enabled": False}, "benchmark": {
+        "engines": ["vllm"], "concurrency": [1], "num_requests": 2, "rounds": 3}})
+    order: list[tuple[str, int]] = []
+    walls = {("baseline", 1): 2.0, ("eagle3", 1): 1.0, ("baseline", 2): 2.0, ("eagle3", 2): 1.6,
+             ("baseline", 3): 4.0, ("eagle3", 3): 5.0}  # speedups 2.0, 1.25, 0.8
+
+    def noisy_variant(cfg, kind, variant, requests, sampling, draft, steps, round_number=1):
+        order.append((variant, round_number))
+        run = canned_variant(cfg, kind, variant, requests, sampling, None, steps, round_number)
+        for level in run.report["levels"]:
+            level.update(summarize_level(run.results[level["concurrency"]], wall_s=walls[(variant, round_number)]))
+            if draft is not None:
+                window = {"drafts": 4.0, "draft_tokens": 12.0, "accepted": 3.0, "accepted_per_position": [2.0, 1.0, 0.0]}
+                level["speculative"] = {"window": window, **spec_counters.acceptance(kind, window)}
+        return run
+
+    monkeypatch.setattr(benchmark, "measure_variant", noisy_variant)
+    report = benchmark.run(cfg).report
+    assert order == [("baseline", 1), ("eagle3", 1), ("baseline", 2), ("eagle3", 2), ("baseline", 3), ("eagle3", 3)]
+    speedup = report["engines"]["vllm"]["speedup"][0]
+    assert speedup["per_round"] == pytest.approx([2.0, 1.25, 0.8])
+    assert speedup["output_tokens_per_s"] == pytest.approx(1.25)
+    assert (speedup["min"], speedup["max"]) == pytest.approx((0.8, 2.0))
+    eagle3 = report["engines"]["vllm"]["eagle3"]
+    assert [entry["round"] for entry in eagle3["rounds"]] == [1, 2, 3]
+    assert eagle3["levels"][0]["output_tokens_per_s"] == pytest.approx(8 / 1.6)  # the median round's level
+    assert eagle3["speculative"]["window"]["drafts"] == 12.0  # acceptance counted over every round
+    assert report["settings"]["rounds"] == 3 and report["engines"]["vllm"]["greedy"]["compared"] == 6
 
 
 # --- the real vLLM CPU build ----------------------------------------------------------------------------

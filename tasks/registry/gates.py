@@ -167,6 +167,9 @@ def speedup_gate(kind: str, rows: list[dict[str, Any]], settings: RegistryConfig
                     f"registry.speedup_concurrency {wanted} was not measured (levels {measured_levels})")
     measured = row.get("output_tokens_per_s")
     detail = f"output tok/s with / without the drafter at concurrency {wanted}"
+    per_round = row.get("per_round") or []
+    if len(per_round) > 1:
+        detail += f", median of {len(per_round)} rounds (min {row['min']:.2f}, max {row['max']:.2f})"
     if measured is None:
         return Gate(name, FAILED, None, settings.min_speedup, f"{detail}: the baseline produced no tokens")
     return Gate(name, PASSED if measured >= settings.min_speedup else FAILED, measured, settings.min_speedup, detail)
