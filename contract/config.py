@@ -201,6 +201,18 @@ class BenchmarkConfig(Section):
     engines: list[Literal["vllm", "sglang"]] = Field(default_factory=list)
     concurrency: list[int] = Field(default_factory=lambda: [1, 4])
     rounds: int = Field(default=1, ge=1)
+    num_speculative_tokens: list[int] = Field(
+        default_factory=list,
+        description="chain lengths served with the drafter, each measured against the same baselines; the best "
+        "median speedup is the recommended serving setting (empty: evaluation.steps only)")
+
+    @model_validator(mode="after")
+    def _positive_distinct_settings(self) -> "BenchmarkConfig":
+        if any(k < 1 for k in self.num_speculative_tokens) or len(set(self.num_speculative_tokens)) != len(
+                self.num_speculative_tokens):
+            raise ValueError(f"benchmark.num_speculative_tokens must be distinct and >= 1, got "
+                             f"{self.num_speculative_tokens}")
+        return self
     num_requests: int = Field(default=16, ge=1)
     max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)

@@ -58,6 +58,7 @@ from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve
 from tasks.data.held_out import select_records, turn_prefixes
 from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
+from tasks.serving.speedup_model import predicted_speedup
 
 VARIANTS = ("baseline", "eagle3")
 #: One short request before measuring, so no level pays the engine's first-request costs.
@@ -115,22 +116,27 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     steps = cfg.evaluation.steps  # the offline evaluation's chain length: both measure the same drafting
     sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens)
 
+    sweep = settings.num_speculative_tokens or [steps]
     engines: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
     for kind in settings.engines:
-        baselines, eagle3s = [], []
+        baselines: list[VariantRun] = []
+        drafted: dict[int, list[VariantRun]] = {k: [] for k in sweep}
         for round_number in range(1, settings.rounds + 1):  # alternate: without, with, without, with, ...
             baselines.append(measure_variant(cfg, kind, "baseline", requests, sampling, None, steps, round_number))
-            eagle3s.append(measure_variant(cfg, kind, "eagle3", requests, sampling, out / "draft" / kind, steps,
-                                           round_number))
-        engines[kind] = engine_report(cfg, kind, baselines, eagle3s, steps)
-        rows += [row for measured in baselines + eagle3s for row in request_rows(kind, measured)]
+            for k in sweep:
+                variant = "eagle3" if len(sweep) == 1 else f"eagle3-k{k}"
+                drafted[k].append(measure_variant(cfg, kind, variant, requests, sampling, out / "draft" / kind, k,
+                                                  round_number))
+        engines[kind] = engine_report(cfg, kind, baselines, drafted, steps)
+        measured_runs = baselines + [measured for runs in drafted.values() for measured in runs]
+        rows += [row for measured in measured_runs for row in request_rows(kind, measured)]
 
     report = {
         "settings": {
             "concurrency": list(settings.concurrency), "rounds": settings.rounds, "num_requests": settings.num_requests,
             "max_tokens": settings.max_tokens, "temperature": settings.temperature,
-            "num_speculative_tokens": steps, "eval_records": len(records),
+            "num_speculative_tokens": sweep, "offline_steps": steps, "eval_records": len(records),
             "distinct_prompts": len({request.prompt_id for request in requests}),
         },
         "engines": engines,
@@ -286,32 +292,77 @@ def tree_rss_bytes(pid: int) -> int:
 # --- checks ---------------------------------------------------------------------------------------------
 
 
-def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], eagle3s: list[VariantRun],
+def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafted: dict[int, list[VariantRun]],
                   steps: int) -> dict[str, Any]:
-    """Both variants of one engine side by side over every round, with the speedups and every check."""
-    failures = [failure for measured in baselines + eagle3s for failure in failed_requests(kind, measured)]
-    baseline, eagle3 = combine_rounds(baselines), combine_rounds(eagle3s)
-    eagle3["speculative"] = overall_acceptance(kind, [level for measured in eagle3s
-                                                      for level in measured.report["levels"]])
-    drafted = drafting_check(kind, eagle3["speculative"])
-    greedy = compare_greedy_rounds(baselines, eagle3s) if cfg.benchmark.temperature == 0 else {
-        "status": "skipped", "reason": "temperature > 0: outputs are sampled"}
-    contract = check_acceptance(cfg, kind, eagle3["speculative"]["mean_accept_length"], steps)
-    if drafted:
-        failures.append(drafted)
+    """One engine: the baseline, every drafted setting against it, the recommended setting and every check.
+    `eagle3` and `speedup` are those of the recommended setting (what the speedup gate judges); the engine's
+    acceptance is compared with the offline evaluation at its own chain length `steps`."""
+    failures = [failure for measured in baselines for failure in failed_requests(kind, measured)]
+    offline_path = cfg.output_path / OFFLINE_ACCEPTANCE
+    offline = read_json(offline_path) if offline_path.is_file() else None
+    per_setting = {}
+    for k, runs in drafted.items():
+        failures += [failure for measured in runs for failure in failed_requests(kind, measured)]
+        per_setting[k] = setting_report(cfg, kind, baselines, runs, k)
+        if per_setting[k]["drafting_problem"]:
+            failures.append(per_setting[k]["drafting_problem"])
+    greedy = merged_greedy([entry["greedy"] for entry in per_setting.values()])
     if greedy.get("mismatches"):
         failures.append(mismatch_message(kind, greedy["mismatches"]))
+    if steps in per_setting:
+        contract = check_acceptance(cfg, kind, per_setting[steps]["eagle3"]["speculative"]["mean_accept_length"], steps)
+    else:
+        contract = {"status": "skipped", "reason": f"benchmark.num_speculative_tokens {sorted(drafted)} does not "
+                    f"include evaluation.steps {steps}, the chain the offline evaluation measured"}
     if contract["status"] == "failed":
         failures.append(contract["reason"])
+    best = recommended_setting(cfg, per_setting)
     return {
-        "baseline": baseline,
-        "eagle3": eagle3,
-        "speedup": speedups([measured.report["levels"] for measured in baselines],
-                            [measured.report["levels"] for measured in eagle3s]),
+        "baseline": combine_rounds(baselines),
+        "num_speculative_tokens": best,
+        "eagle3": per_setting[best]["eagle3"],
+        "speedup": per_setting[best]["speedup"],
+        "sweep": [{"num_speculative_tokens": k, "mean_accept_length": entry["eagle3"]["speculative"]["mean_accept_length"],
+                   "speedup": entry["speedup"],
+                   "predicted_speedup": predicted_speedup(offline, k) if offline is not None else None}
+                  for k, entry in per_setting.items()],
         "greedy": greedy,
         "acceptance_check": contract,
         "failures": failures,
     }
+
+
+def setting_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], runs: list[VariantRun],
+                   k: int) -> dict[str, Any]:
+    """One drafted setting over its rounds, against the baselines of the same rounds."""
+    eagle3 = combine_rounds(runs)
+    eagle3["num_speculative_tokens"] = k
+    eagle3["speculative"] = overall_acceptance(kind, [level for measured in runs for level in measured.report["levels"]])
+    greedy = compare_greedy_rounds(baselines, runs) if cfg.benchmark.temperature == 0 else {
+        "status": "skipped", "reason": "temperature > 0: outputs are sampled"}
+    return {"eagle3": eagle3, "greedy": greedy, "drafting_problem": drafting_check(kind, eagle3["speculative"]),
+            "speedup": speedups([measured.report["levels"] for measured in baselines],
+                                [measured.report["levels"] for measured in runs])}
+
+
+def recommended_setting(cfg: RunConfig, per_setting: dict[int, dict[str, Any]]) -> int:
+    """The setting with the best median speedup at the level the speedup gate judges (the lowest by default)."""
+    wanted = cfg.registry.speedup_concurrency or min(cfg.benchmark.concurrency)
+
+    def median_speedup(k: int) -> float:
+        row = next((row for row in per_setting[k]["speedup"] if row["concurrency"] == wanted), None)
+        return row["output_tokens_per_s"] if row and row["output_tokens_per_s"] is not None else float("-inf")
+
+    return max(per_setting, key=median_speedup)
+
+
+def merged_greedy(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every setting's greedy comparison as one verdict."""
+    if all(part["status"] == "skipped" for part in parts):
+        return parts[0]
+    mismatches = [mismatch for part in parts for mismatch in part.get("mismatches", [])]
+    return {"status": "failed" if mismatches else "ok", "compared": sum(part.get("compared", 0) for part in parts),
+            "mismatches": mismatches}
 
 
 def combine_rounds(runs: list[VariantRun]) -> dict[str, Any]:
@@ -398,7 +449,7 @@ def compare_greedy(baseline: VariantRun, eagle3: VariantRun) -> dict[str, Any]:
             at = first_difference(plain.text, drafted.text)
             mismatches.append({
                 "prompt_id": plain.prompt_id, "request": plain.index, "concurrency": concurrency,
-                "round": baseline.round, "first_difference": at, "baseline": plain.text[max(0, at - 20):at + SNIPPET_CHARS],
+                "round": baseline.round, "variant": eagle3.variant, "first_difference": at, "baseline": plain.text[max(0, at - 20):at + SNIPPET_CHARS],
                 "eagle3": drafted.text[max(0, at - 20):at + SNIPPET_CHARS],
             })
     return {"status": "failed" if mismatches else "ok", "compared": compared, "mismatches": mismatches}
@@ -548,6 +599,13 @@ def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
             metrics[f"{kind}_c{row['concurrency']}_speedup"] = row["output_tokens_per_s"]
             metrics[f"{kind}_c{row['concurrency']}_speedup_min"] = row["min"]
             metrics[f"{kind}_c{row['concurrency']}_speedup_max"] = row["max"]
+        metrics[f"{kind}_recommended_num_speculative_tokens"] = engine["num_speculative_tokens"]
+        for setting in engine["sweep"]:
+            k = setting["num_speculative_tokens"]
+            metrics[f"{kind}_k{k}_mean_accept_length"] = setting["mean_accept_length"]
+            metrics[f"{kind}_k{k}_predicted_speedup"] = setting["predicted_speedup"]
+            for row in setting["speedup"]:
+                metrics[f"{kind}_k{k}_c{row['concurrency']}_speedup"] = row["output_tokens_per_s"]
         speculative = engine["eagle3"]["speculative"]
         metrics[f"{kind}_mean_accept_length"] = speculative["mean_accept_length"]
         metrics[f"{kind}_draft_acceptance_rate"] = speculative["draft_acceptance_rate"]

@@ -39,8 +39,8 @@ from tasks.common.artifacts import read_json, write_json
 from tasks.registry.doctor import inspect_checkpoint
 from tasks.registry.gates import Gate, GateInputs, evaluate_gates, gates_passed, offline_accept_length
 from tasks.registry.store import (CANDIDATE, CHAMPION, TAG_ACCEPT_LENGTH, TAG_EVAL_FINGERPRINT, TAG_FAILED_GATES,
-                                  TAG_GATES, TAG_GATES_PASSED, TAG_SPEEDUP, aliases_of, current_champion,
-                                  promote_version)
+                                  TAG_GATES, TAG_GATES_PASSED, TAG_RECOMMENDED_SERVING, TAG_SPEEDUP, aliases_of,
+                                  current_champion, promote_version)
 
 ACCEPTANCE_REPORT = Path("evaluate") / "acceptance.json"
 SERVING_REPORT = Path("benchmark") / "report.json"
@@ -302,8 +302,23 @@ def serving_summary(report: Optional[dict[str, Any]]) -> dict[str, Any]:
     engines = {}
     for kind, engine in report["engines"].items():
         engines[kind] = {"mean_accept_length": (engine.get("acceptance_check") or {}).get("engine_mean_accept_length"),
-                         "speedup": engine.get("speedup")}
+                         "speedup": engine.get("speedup"),
+                         "recommended_num_speculative_tokens": engine.get("num_speculative_tokens"),
+                         "sweep": engine.get("sweep")}
     return {"status": "passed" if report.get("passed") else "failed", "engines": engines}
+
+
+def recommended_serving(report: Optional[dict[str, Any]]) -> str:
+    """Per engine, the chain length the benchmark measured as fastest, with its median speedup at the lowest
+    level: what to pass as vLLM's `num_speculative_tokens` (SGLang: `--speculative-num-steps`)."""
+    if report is None or report.get("skipped") or not report.get("engines"):
+        return "not measured"
+    recommended = {}
+    for kind, engine in report["engines"].items():
+        rows = sorted(engine.get("speedup") or [], key=lambda row: row["concurrency"])
+        recommended[kind] = {"num_speculative_tokens": engine.get("num_speculative_tokens"),
+                             "speedup": rows[0]["output_tokens_per_s"] if rows else None}
+    return tag_value(recommended)
 
 
 def tag_value(value: Any) -> str:
@@ -328,6 +343,7 @@ def gate_tags(inputs: RegisterInputs, gates: list[Gate], fingerprint: str) -> di
         TAG_EVAL_FINGERPRINT: fingerprint,
         TAG_ACCEPT_LENGTH: tag_value(accept_length) if accept_length is not None else "none",
         TAG_SPEEDUP: " ".join(speedups) or "not run",
+        TAG_RECOMMENDED_SERVING: recommended_serving(inputs.serving),
     }
 
 

@@ -508,7 +508,7 @@ def test_vllm_serves_the_drafter_faithfully_and_the_report_says_so(drafted_run: 
 
     report = json.loads(result.report_path.read_text())
     assert report == json.loads(json.dumps(result.report)) and report["passed"] and report["failures"] == []
-    assert report["settings"]["num_speculative_tokens"] == 3 and report["settings"]["distinct_prompts"] == 4
+    assert report["settings"]["num_speculative_tokens"] == [3] and report["settings"]["distinct_prompts"] == 4
     vllm = report["engines"]["vllm"]
     for variant in benchmark.VARIANTS:
         run = vllm[variant]
@@ -540,6 +540,34 @@ def test_vllm_serves_the_drafter_faithfully_and_the_report_says_so(drafted_run: 
     assert len(rows) == 2 * 2 * 4 and all(row["error"] is None for row in rows)
     print(f"\nengine accept length {speculative['mean_accept_length']:.2f}, offline {offline:.2f}; "
           f"speedup {vllm['speedup']}")
+
+
+@pytest.mark.slow
+def test_vllm_sweep_measures_each_chain_length_and_recommends_the_fastest(drafted_run: RunConfig) -> None:
+    if not VLLM_PYTHON.is_file():
+        pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
+    from tasks import evaluate
+
+    if not (drafted_run.output_path / "evaluate" / "acceptance.json").is_file():
+        evaluate.run(drafted_run)
+    settings = drafted_run.benchmark.model_copy(update={"num_speculative_tokens": [1, 3], "concurrency": [1]})
+    cfg = drafted_run.model_copy(update={"benchmark": settings})
+    report = benchmark.run(cfg).report
+
+    assert report["passed"] and report["settings"]["num_speculative_tokens"] == [1, 3]
+    vllm = report["engines"]["vllm"]
+    sweep = {row["num_speculative_tokens"]: row for row in vllm["sweep"]}
+    assert set(sweep) == {1, 3} and all(row["mean_accept_length"] > 1.0 for row in sweep.values())
+    assert all(row["predicted_speedup"] is not None for row in sweep.values())
+    fastest = max(sweep, key=lambda k: sweep[k]["speedup"][0]["output_tokens_per_s"])
+    assert vllm["num_speculative_tokens"] == fastest == vllm["eagle3"]["num_speculative_tokens"]
+    window = vllm["eagle3"]["speculative"]["window"]
+    assert window["draft_tokens"] == fastest * window["drafts"], "the recommended engine drafted its own length"
+    assert vllm["acceptance_check"]["status"] == "ok" and vllm["acceptance_check"]["engine_steps"] == 3
+    assert vllm["greedy"]["status"] == "ok" and vllm["greedy"]["compared"] == 8
+    logs = cfg.output_path / "benchmark" / "logs"
+    assert (logs / "vllm-eagle3-k1.log").is_file() and (logs / "vllm-eagle3-k3.log").is_file()
+    print(f"\nsweep: { {k: (row['speedup'][0]['output_tokens_per_s'], row['predicted_speedup']) for k, row in sweep.items()} }")
 
 
 SGLANG_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
@@ -576,3 +604,72 @@ def test_sglang_serves_the_drafter_faithfully_on_a_gpu(drafted_run: RunConfig) -
     assert sglang["greedy"]["status"] == "ok" and sglang["greedy"]["mismatches"] == []
     assert sglang["eagle3"]["speculative"]["mean_accept_length"] > 1.5
     assert sglang["acceptance_check"]["status"] == "ok" and sglang["acceptance_check"]["offline_mean_accept_length"] == offline
+
+
+def sweep_run(tmp_path: Path, sweep: list[int], walls: dict[Any, float]) -> tuple[dict[str, Any], list[str]]:
+    """The stage over canned engines whose wall time per request set depends on the variant (no engine)."""
+    for directory in ("target", "draft/vllm", "data", "evaluate"):
+        (tmp_path / directory).mkdir(parents=True, exist_ok=True)
+    record = prompt_record("s:1", [{"role": "user", "content": "question"}, {"role": "assistant", "content": "a"}])
+    (tmp_path / "data" / "eval.jsonl").write_text(record.model_dump_json() + "\n")
+    offline = {"target": {"tokens_per_second": 10.0},
+               "chain": {"steps": 3, "mean_accept_length": 2.5, "acceptance_by_depth": [0.6, 0.5, 0.4], "rounds": 10,
+                         "mean_drafted_tokens": 3.0, "verify_seconds": 1.0, "draft_seconds": 0.6}}
+    (tmp_path / "evaluate" / "acceptance.json").write_text(json.dumps(offline))
+    cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "tracking": {"enabled": False}, "benchmark": {
+        "engines": ["vllm"], "concurrency": [1], "num_requests": 2, "rounds": 2, "num_speculative_tokens": sweep}})
+    order: list[str] = []
+
+    def canned(cfg, kind, variant, requests, sampling, draft, steps, round_number=1):
+        order.append(f"{variant}/{steps}/r{round_number}")
+        run = canned_variant(cfg, kind, variant, requests, sampling, None, steps, round_number)
+        level = run.report["levels"][0]
+        level.update(summarize_level(run.results[1], wall_s=walls[variant]))
+        if draft is not None:
+            window = {"drafts": 4.0, "draft_tokens": 4.0 * steps, "accepted": 2.0 * steps,
+                      "accepted_per_position": [2.0] * steps}
+            level["speculative"] = {"window": window, **spec_counters.acceptance(kind, window)}
+        return run
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(benchmark, "measure_variant", canned)
+    try:
+        report = benchmark.run(cfg).report
+    finally:
+        monkeypatch.undo()
+    return report, order
+
+
+def test_the_sweep_recommends_the_setting_with_the_best_median_speedup(tmp_path: Path) -> None:
+    walls = {"baseline": 2.0, "eagle3-k1": 1.6, "eagle3-k2": 1.0, "eagle3-k3": 2.5}  # speedups 1.25, 2.0, 0.8
+    report, order = sweep_run(tmp_path, [1, 2, 3], walls)
+    assert order == ["baseline/3/r1", "eagle3-k1/1/r1", "eagle3-k2/2/r1", "eagle3-k3/3/r1",
+                     "baseline/3/r2", "eagle3-k1/1/r2", "eagle3-k2/2/r2", "eagle3-k3/3/r2"]
+    vllm = report["engines"]["vllm"]
+    assert vllm["num_speculative_tokens"] == 2 and vllm["eagle3"]["num_speculative_tokens"] == 2
+    assert vllm["speedup"][0]["output_tokens_per_s"] == pytest.approx(2.0)
+    sweep = {row["num_speculative_tokens"]: row for row in vllm["sweep"]}
+    assert [sweep[k]["speedup"][0]["output_tokens_per_s"] for k in (1, 2, 3)] == pytest.approx([1.25, 2.0, 0.8])
+    # offline: verify 0.1 s per round, draft 0.02 s per token, target 10 tok/s -> (1 + sum a_d) / round_s / 10
+    assert [sweep[k]["predicted_speedup"] for k in (1, 2, 3)] == pytest.approx(
+        [1.6 / 0.12 / 10, 2.1 / 0.14 / 10, 2.5 / 0.16 / 10])
+    # the engine's acceptance is checked at the offline chain length (k = evaluation.steps = 3): 1 + 6/4 = 2.5
+    assert vllm["acceptance_check"]["engine_mean_accept_length"] == pytest.approx(2.5)
+    assert report["settings"]["num_speculative_tokens"] == [1, 2, 3] and report["settings"]["offline_steps"] == 3
+    summary = benchmark.BenchmarkResult(tmp_path, tmp_path, None, report).summary()
+    assert summary["vllm_recommended_num_speculative_tokens"] == 2.0
+    assert summary["vllm_k1_c1_speedup"] == pytest.approx(1.25)
+
+
+def test_a_sweep_without_the_offline_chain_length_skips_the_acceptance_check(tmp_path: Path) -> None:
+    report, _ = sweep_run(tmp_path, [1], {"baseline": 2.0, "eagle3": 1.0})
+    check = report["engines"]["vllm"]["acceptance_check"]
+    assert check == {"status": "skipped", "reason": "benchmark.num_speculative_tokens [1] does not include "
+                     "evaluation.steps 3, the chain the offline evaluation measured"}
+    assert report["engines"]["vllm"]["num_speculative_tokens"] == 1 and report["passed"]
+
+
+@pytest.mark.parametrize("sweep", [[0, 1], [2, 2]])
+def test_bad_sweep_settings_are_refused_naming_the_field(sweep: list[int]) -> None:
+    with pytest.raises(ValueError, match=r"benchmark.num_speculative_tokens must be distinct and >= 1"):
+        RunConfig.model_validate({"benchmark": {"num_speculative_tokens": sweep}})

@@ -195,6 +195,7 @@ def test_registration_carries_the_contract_reports_and_provenance(exported_run: 
     assert register.dvc_lock_hash(tmp_path) == "none" and register.git_commit(tmp_path) == "unknown"
     assert version.tags["eaglet.data_docs"].endswith("reports/data_docs/index.html")
     assert version.tags["eaglet.eval_fingerprint"] == registration["eval_fingerprint"]
+    assert version.tags["eaglet.recommended_serving"] == "not measured"
 
     model = client.get_logged_model(registration["model_id"])
     assert version.source == f"models:/{model.model_id}" and model.status.to_proto() == 2  # READY
@@ -379,3 +380,17 @@ def test_a_run_ends_saying_where_things_are_and_who_is_champion(tmp_path: Path, 
     (tmp_path / "register" / "registration.json").write_text(json.dumps(promoted))
     print_where_things_are(cfg)
     assert "champion:      models:/m@champion = version 2 (this run)" in capsys.readouterr().out
+
+
+def test_the_recommended_serving_setting_travels_in_the_contract_and_a_tag() -> None:
+    report = serving(speedup=1.3)
+    report["engines"]["vllm"].update(num_speculative_tokens=2, sweep=[
+        {"num_speculative_tokens": 1, "mean_accept_length": 1.4, "speedup": [{"concurrency": 1, "output_tokens_per_s": 1.1}],
+         "predicted_speedup": 1.2},
+        {"num_speculative_tokens": 2, "mean_accept_length": 1.6, "speedup": [{"concurrency": 1, "output_tokens_per_s": 1.3}],
+         "predicted_speedup": 1.25}])
+    assert json.loads(register.recommended_serving(report)) == {"vllm": {"num_speculative_tokens": 2, "speedup": 1.3}}
+    summary = register.serving_summary(report)["engines"]["vllm"]
+    assert summary["recommended_num_speculative_tokens"] == 2 and [row["num_speculative_tokens"]
+                                                                   for row in summary["sweep"]] == [1, 2]
+    assert register.recommended_serving(None) == "not measured"

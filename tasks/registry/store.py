@@ -25,6 +25,7 @@ TAG_FAILED_GATES = "eaglet.failed_gates"
 TAG_EVAL_FINGERPRINT = "eaglet.eval_fingerprint"
 TAG_ACCEPT_LENGTH = "eaglet.offline_accept_length"
 TAG_SPEEDUP = "eaglet.speedup"
+TAG_RECOMMENDED_SERVING = "eaglet.recommended_serving"
 TAG_TARGET_REVISION = "contract.target_revision"
 
 

@@ -1,0 +1,149 @@
+"""Held-out acceptance against training data: how much data does this drafter need?
+
+    .venv/bin/python benchmarks/learning_curve.py --config params.yaml [--fractions 0.125 0.25 0.5 1] [overrides]
+
+Reads a finished run (`eaglet run` up to validate at least): its target and its validated records
+`data/{train,eval}.jsonl`. For each fraction f, a sub-run under `<output_dir>/learning-curve/f<f>/` gets the
+first ceil(f * N) train records of one seeded shuffle (nested: every larger fraction holds the smaller ones),
+the same held-out records and the same recipe (the run config plus `overrides`), and runs the stages
+capture -> train -> evaluate (chain only, as vLLM drafts) through their own `run(cfg)`. Each point records the
+supervised training tokens, the held-out chain accept length tau and acceptance by depth (evaluate stage,
+the reference decoder on the evaluate stage's prompts) and the trainer's held-out acc_k.
+
+Writes `<output_dir>/learning-curve/learning_curve.json` and `learning_curve.png`, and logs both, with one
+metric step per point, to an MLflow run named `learning-curve` in the run's experiment. Sub-runs already
+finished are reused (delete their folder to redo one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+from contract.config import RunConfig
+from contract.config_loading import load_config
+from contract.records import read_prompt_records
+from tasks import capture, evaluate, train
+from tasks.common.artifacts import link_or_copy, read_json, save_figure, write_json, write_jsonl
+
+POINT_FILE = "point.json"
+
+
+def subset_config(config: Path, overrides: list[str], directory: Path, fraction: float) -> RunConfig:
+    """The recipe of the run, pointed at the sub-run's folder; tracking off (the curve is logged once)."""
+    return load_config(config, [*overrides, f"output_dir={directory}", f"run_id=learning-curve-f{fraction:g}",
+                                "evaluation.topk=1", "tracking.enabled=false"])
+
+
+def prepare_subrun(run_dir: Path, directory: Path, records: list[Any]) -> None:
+    """Target (hard links), the held-out records, and this point's train records."""
+    for path in (run_dir / "target").iterdir():
+        link_or_copy(path, directory / "target" / path.name)
+    link_or_copy(run_dir / "target.json", directory / "target.json")
+    link_or_copy(run_dir / "data" / "eval.jsonl", directory / "data" / "eval.jsonl")
+    write_jsonl(directory / "data" / "train.jsonl", records)
+
+
+def measure_point(cfg: RunConfig, fraction: float, records: int) -> dict[str, Any]:
+    """capture -> train -> evaluate on one sub-run, reduced to the numbers the curve plots."""
+    out = cfg.output_path
+    if (out / POINT_FILE).is_file():
+        return read_json(out / POINT_FILE)
+    manifest = capture.run(cfg).manifest
+    summary = train.run(cfg).summary()
+    chain = evaluate.run(cfg).report["chain"]
+    steps = cfg.training.ttt_length
+    point = {
+        "fraction": fraction, "train_records": records,
+        "supervised_tokens": manifest["splits"]["train"]["supervised_tokens"],
+        "train_tokens": manifest["splits"]["train"]["tokens"],
+        "optimizer_steps": summary["steps"],
+        "chain_mean_accept_length": chain["mean_accept_length"],
+        "chain_acceptance_by_depth": chain["acceptance_by_depth"],
+        "eval_acc_by_depth": [summary[f"eval_acc_{k}"] for k in range(steps)],
+        "eval_simulated_accept_len": summary["eval_simulated_accept_len"],
+    }
+    write_json(out / POINT_FILE, point)
+    return point
+
+
+def plot_curve(points: list[dict[str, Any]], path: Path) -> Path:
+    """Accept length and acceptance by depth against supervised training tokens (log x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = [point["supervised_tokens"] for point in points]
+    figure, (tau, depth) = plt.subplots(1, 2, figsize=(10, 4))
+    tau.plot(tokens, [point["chain_mean_accept_length"] for point in points], "-o")
+    tau.set(xscale="log", xlabel="supervised training tokens", ylabel="chain mean accept length (tau)",
+            title="held-out accept length")
+    for index in range(len(points[0]["chain_acceptance_by_depth"])):
+        depth.plot(tokens, [point["chain_acceptance_by_depth"][index] for point in points], "-o",
+                   label=f"depth {index + 1}")
+    depth.set(xscale="log", xlabel="supervised training tokens", ylabel="acceptance rate",
+              title="held-out acceptance by depth")
+    depth.legend()
+    for axis in (tau, depth):
+        axis.grid(alpha=0.3)
+    return save_figure(figure, path)
+
+
+def log_to_mlflow(run_cfg: RunConfig, points: list[dict[str, Any]], files: list[Path]) -> None:
+    import mlflow
+
+    from tasks.common.mlflow_store import ensure_experiment, tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri(run_cfg))
+    ensure_experiment(tracking_uri(run_cfg), run_cfg.tracking.experiment)
+    with mlflow.start_run(run_name="learning-curve", tags={"eaglet.kind": "learning-curve"}):
+        for step, point in enumerate(points):
+            mlflow.log_metrics({"supervised_tokens": point["supervised_tokens"],
+                                "chain_mean_accept_length": point["chain_mean_accept_length"],
+                                "eval_simulated_accept_len": point["eval_simulated_accept_len"],
+                                **{f"chain_acceptance_depth{k + 1}": rate
+                                   for k, rate in enumerate(point["chain_acceptance_by_depth"])}}, step=step)
+        for path in files:
+            mlflow.log_artifact(str(path))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("overrides", nargs="*", help="section.field=value for every point (the recipe)")
+    args = parser.parse_args()
+    run_cfg = load_config(args.config, args.overrides)
+    run_dir = run_cfg.output_path
+    records = [record for _, record in read_prompt_records(run_dir / "data" / "train.jsonl")]
+    random.Random(args.seed).shuffle(records)
+    curve_dir = run_dir / "learning-curve"
+    points = []
+    for fraction in sorted(args.fractions):
+        count = max(1, math.ceil(fraction * len(records)))
+        directory = (curve_dir / f"f{fraction:g}").resolve()
+        cfg = subset_config(args.config, args.overrides, directory, fraction)
+        if not (directory / POINT_FILE).is_file():
+            prepare_subrun(run_dir, directory, records[:count])
+        point = measure_point(cfg, fraction, count)
+        points.append(point)
+        print(f"f={fraction:<6g} records {count:>5}  supervised tokens {point['supervised_tokens']:>7}  "
+              f"tau {point['chain_mean_accept_length']:.3f}  by depth "
+              f"{[round(rate, 3) for rate in point['chain_acceptance_by_depth']]}", flush=True)
+    json_path = curve_dir / "learning_curve.json"
+    write_json(json_path, {"config": str(args.config), "overrides": args.overrides, "seed": args.seed,
+                           "points": points})
+    png_path = plot_curve(points, curve_dir / "learning_curve.png")
+    if run_cfg.tracking.enabled:
+        log_to_mlflow(run_cfg, points, [json_path, png_path])
+    print(json.dumps({"learning_curve": str(json_path), "plot": str(png_path)}))
+
+
+if __name__ == "__main__":
+    main()
