@@ -15,6 +15,11 @@ Speedup per level = eagle3 output tok/s / baseline output tok/s of the same roun
 to back); the report gives every round's ratio and their median with min and max, so a shared machine's
 noise is visible as spread. Each variant's `levels` are those of its median-throughput round.
 
+`benchmark.num_speculative_tokens` lists chain lengths to serve (default: `evaluation.steps` only); each is
+served as `eagle3-k<k>` in every round against the same baselines, the one with the best median speedup at the
+speedup gate's level is the recommended setting (the report's `eagle3`, `speedup` and `num_speculative_tokens`),
+and every setting carries the speedup predicted from the offline evaluation (tasks/serving/speedup_model.py).
+
 What the stage checks (a failure is written to the report first, then raised as BenchmarkFailed):
   - every request completed;
   - the drafter drafted: the engine's speculative counters moved;
