@@ -362,7 +362,7 @@ def recommended_setting(cfg: RunConfig, per_setting: dict[int, dict[str, Any]]) 
 
 
 def merged_greedy(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every setting's greedy comparison as one verdict."""
+    """Several greedy comparisons (rounds, settings) as one verdict."""
     if all(part["status"] == "skipped" for part in parts):
         return parts[0]
     mismatches = [mismatch for part in parts for mismatch in part.get("mismatches", [])]
@@ -434,10 +434,7 @@ def first_difference(left: str, right: str) -> int:
 
 def compare_greedy_rounds(baselines: list[VariantRun], eagle3s: list[VariantRun]) -> dict[str, Any]:
     """Every round's pair compared; any mismatch in any round fails."""
-    compared = [compare_greedy(baseline, eagle3) for baseline, eagle3 in zip(baselines, eagle3s)]
-    mismatches = [mismatch for result in compared for mismatch in result["mismatches"]]
-    return {"status": "failed" if mismatches else "ok", "compared": sum(result["compared"] for result in compared),
-            "mismatches": mismatches}
+    return merged_greedy([compare_greedy(baseline, eagle3) for baseline, eagle3 in zip(baselines, eagle3s)])
 
 
 def compare_greedy(baseline: VariantRun, eagle3: VariantRun) -> dict[str, Any]:
