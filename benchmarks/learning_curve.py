@@ -24,51 +24,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-from contract.config import RunConfig
 from contract.config_loading import load_config
 from contract.records import read_prompt_records
-from tasks import capture, evaluate, train
-from tasks.common.artifacts import link_or_copy, read_json, save_figure, write_json, write_jsonl
-
-POINT_FILE = "point.json"
-
-
-def subset_config(config: Path, overrides: list[str], directory: Path, fraction: float) -> RunConfig:
-    """The recipe of the run, pointed at the sub-run's folder; tracking off (the curve is logged once)."""
-    return load_config(config, [*overrides, f"output_dir={directory}", f"run_id=learning-curve-f{fraction:g}",
-                                "evaluation.topk=1", "tracking.enabled=false"])
-
-
-def prepare_subrun(run_dir: Path, directory: Path, records: list[Any]) -> None:
-    """Target (hard links), the held-out records, and this point's train records."""
-    for path in (run_dir / "target").iterdir():
-        link_or_copy(path, directory / "target" / path.name)
-    link_or_copy(run_dir / "target.json", directory / "target.json")
-    link_or_copy(run_dir / "data" / "eval.jsonl", directory / "data" / "eval.jsonl")
-    write_jsonl(directory / "data" / "train.jsonl", records)
-
-
-def measure_point(cfg: RunConfig, fraction: float, records: int) -> dict[str, Any]:
-    """capture -> train -> evaluate on one sub-run, reduced to the numbers the curve plots."""
-    out = cfg.output_path
-    if (out / POINT_FILE).is_file():
-        return read_json(out / POINT_FILE)
-    manifest = capture.run(cfg).manifest
-    summary = train.run(cfg).summary()
-    chain = evaluate.run(cfg).report["chain"]
-    steps = cfg.training.ttt_length
-    point = {
-        "fraction": fraction, "train_records": records,
-        "supervised_tokens": manifest["splits"]["train"]["supervised_tokens"],
-        "train_tokens": manifest["splits"]["train"]["tokens"],
-        "optimizer_steps": summary["steps"],
-        "chain_mean_accept_length": chain["mean_accept_length"],
-        "chain_acceptance_by_depth": chain["acceptance_by_depth"],
-        "eval_acc_by_depth": [summary[f"eval_acc_{k}"] for k in range(steps)],
-        "eval_simulated_accept_len": summary["eval_simulated_accept_len"],
-    }
-    write_json(out / POINT_FILE, point)
-    return point
+from subruns import POINT_FILE, link_run_inputs, log_points, measure_point, subrun_config
+from tasks.common.artifacts import save_figure, write_json
 
 
 def plot_curve(points: list[dict[str, Any]], path: Path) -> Path:
@@ -94,24 +53,6 @@ def plot_curve(points: list[dict[str, Any]], path: Path) -> Path:
     return save_figure(figure, path)
 
 
-def log_to_mlflow(run_cfg: RunConfig, points: list[dict[str, Any]], files: list[Path]) -> None:
-    import mlflow
-
-    from tasks.common.mlflow_store import ensure_experiment, tracking_uri
-
-    mlflow.set_tracking_uri(tracking_uri(run_cfg))
-    ensure_experiment(tracking_uri(run_cfg), run_cfg.tracking.experiment)
-    with mlflow.start_run(run_name="learning-curve", tags={"eaglet.kind": "learning-curve"}):
-        for step, point in enumerate(points):
-            mlflow.log_metrics({"supervised_tokens": point["supervised_tokens"],
-                                "chain_mean_accept_length": point["chain_mean_accept_length"],
-                                "eval_simulated_accept_len": point["eval_simulated_accept_len"],
-                                **{f"chain_acceptance_depth{k + 1}": rate
-                                   for k, rate in enumerate(point["chain_acceptance_by_depth"])}}, step=step)
-        for path in files:
-            mlflow.log_artifact(str(path))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True)
@@ -128,10 +69,10 @@ def main() -> None:
     for fraction in sorted(args.fractions):
         count = max(1, math.ceil(fraction * len(records)))
         directory = (curve_dir / f"f{fraction:g}").resolve()
-        cfg = subset_config(args.config, args.overrides, directory, fraction)
+        cfg = subrun_config(args.config, args.overrides, directory, f"learning-curve-f{fraction:g}")
         if not (directory / POINT_FILE).is_file():
-            prepare_subrun(run_dir, directory, records[:count])
-        point = measure_point(cfg, fraction, count)
+            link_run_inputs(run_dir, directory, records[:count])
+        point = measure_point(cfg, {"fraction": fraction, "train_records": count})
         points.append(point)
         print(f"f={fraction:<6g} records {count:>5}  supervised tokens {point['supervised_tokens']:>7}  "
               f"tau {point['chain_mean_accept_length']:.3f}  by depth "
@@ -141,7 +82,7 @@ def main() -> None:
                            "points": points})
     png_path = plot_curve(points, curve_dir / "learning_curve.png")
     if run_cfg.tracking.enabled:
-        log_to_mlflow(run_cfg, points, [json_path, png_path])
+        log_points(run_cfg, "learning-curve", points, [json_path, png_path])
     print(json.dumps({"learning_curve": str(json_path), "plot": str(png_path)}))
 
 
