@@ -119,9 +119,9 @@ def test_bad_files_and_bad_overrides(tmp_path: Path) -> None:
 
 def test_cli_config_commands(tmp_path: Path) -> None:
     runner = CliRunner()
-    shown = runner.invoke(app, ["config", "show", "--config", str(REPO_ROOT / "params.yaml"), "training.ttt_length=3"])
+    shown = runner.invoke(app, ["config", "show", "--config", str(REPO_ROOT / "params.yaml"), "training.ttt_length=5"])
     assert shown.exit_code == 0, shown.output
-    assert RunConfig.model_validate(__import__("yaml").safe_load(shown.output)).training.ttt_length == 3
+    assert RunConfig.model_validate(__import__("yaml").safe_load(shown.output)).training.ttt_length == 5
     bad = runner.invoke(app, ["config", "validate", "--config", str(write(tmp_path, "training:\n  lerning_rate: 1\n"))])
     assert bad.exit_code == 2
     assert "did you mean 'learning_rate'" in bad.output
