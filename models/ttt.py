@@ -49,7 +49,8 @@ class TTTOutput:
     ploss: list[torch.Tensor] = field(default_factory=list)
     acc: list[float] = field(default_factory=list)
     expected_accept: list[float] = field(default_factory=list)
-    supervised: list[float] = field(default_factory=list)
+    supervised: list[float] = field(default_factory=list)  # every supervised position: acc_k's denominator
+    scored: list[float] = field(default_factory=list)  # those whose target top-1 is in the draft vocab
 
     @property
     def simulated_accept_len(self) -> float:
@@ -180,7 +181,10 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         positions = torch.arange(length, device=batch.input_ids.device).expand(size, -1)
     # The EAGLE3 shift: position t reads x_{t+1}, learns the target at t+1, weighted by x_{t+1}'s mask.
     ids = shift_left(batch.input_ids, 1)
-    mask = shift_left(batch.loss_mask.float() * batch.target_top1_in_draft.float(), 1)
+    # The loss (as SpecForge) only where the target's top-1 is in the draft vocab; acc_k over every supervised
+    # position, since an engine cannot accept a token its draft cannot propose.
+    supervised = shift_left(batch.loss_mask.float(), 1)
+    mask = supervised * shift_left(batch.target_top1_in_draft.float(), 1)
     probs = shift_left(batch.target_probs, 1)
     top1 = shift_left(batch.target_top1, 1)
 
@@ -208,19 +212,23 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         ploss, log_probs = step_loss(logits, step_probs[chosen], step_mask[chosen], normaliser=normaliser or step_mask.numel())
         output.loss = output.loss + decay ** step * ploss
         output.ploss.append(ploss)
-        record_step_metrics(output, draft, log_probs, step_probs[chosen], step_top1[chosen], step_mask[chosen])
+        record_step_metrics(output, draft, log_probs, step_probs[chosen], step_top1[chosen], step_mask[chosen],
+                            float(shift_left(supervised, step).sum()))
     return output
 
 
 def record_step_metrics(output: TTTOutput, draft: Eagle3Draft, log_probs: torch.Tensor, target_probs: torch.Tensor,
-                        target_top1: torch.Tensor, mask: torch.Tensor) -> None:
-    """acc_k (draft top-1 mapped to the target vocab == target top-1) and expected acceptance, over masked positions."""
+                        target_top1: torch.Tensor, mask: torch.Tensor, supervised: float) -> None:
+    """acc_k: draft top-1 (mapped to the target vocab) == target top-1, over all `supervised` positions of the
+    step (a target top-1 outside the draft vocab is a miss); expected acceptance over the scored positions
+    (`mask`: supervised, target top-1 in the draft vocab), against the teacher renormalised to the draft vocab."""
     with torch.no_grad():
-        count = float(mask.sum())
+        scored = float(mask.sum())
         draft_top1 = draft.draft_to_target(log_probs.argmax(dim=-1))
         correct = float(((draft_top1 == target_top1).float() * mask).sum())
         overlap = torch.minimum(log_probs.exp(), target_probs).sum(-1)
         accepted = float((overlap * mask).sum())
-    output.acc.append(correct / count if count else 0.0)
-    output.expected_accept.append(accepted / count if count else 0.0)
-    output.supervised.append(count)
+    output.acc.append(correct / supervised if supervised else 0.0)
+    output.expected_accept.append(accepted / scored if scored else 0.0)
+    output.supervised.append(supervised)
+    output.scored.append(scored)

@@ -143,6 +143,7 @@ def build_draft(cfg: RunConfig, heads: TargetHeads, manifest: dict[str, Any], de
     draft.to(device)
     draft.attach_embedding(heads.embedding)
     draft.initialise_from_target(heads.lm_head, heads.final_norm)
+    draft.lm_head.weight.requires_grad_(not cfg.training.freeze_lm_head)
     return draft
 
 
@@ -423,7 +424,8 @@ def evaluate_features(draft: Eagle3Draft, features: Any, lm_head: torch.Tensor, 
                       attention_backend: str = "sdpa", dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """acc_k, expected acceptance and ploss per depth over every record, weighted by supervised positions,
     and the simulated accept length of a chain of `steps`."""
-    correct, counts, accepted, ploss = [0.0] * steps, [0.0] * steps, [0.0] * steps, [0.0] * steps
+    correct, counts, accepted, scored = [0.0] * steps, [0.0] * steps, [0.0] * steps, [0.0] * steps
+    ploss = [0.0] * steps
     with torch.no_grad(), autocast(lm_head.device, dtype):
         for record in features:
             output = ttt_forward(draft, collate([record], lm_head, draft.t2d), steps,
@@ -431,12 +433,13 @@ def evaluate_features(draft: Eagle3Draft, features: Any, lm_head: torch.Tensor, 
             for step in range(steps):
                 counts[step] += output.supervised[step]
                 correct[step] += output.acc[step] * output.supervised[step]
-                accepted[step] += output.expected_accept[step] * output.supervised[step]
+                accepted[step] += output.expected_accept[step] * output.scored[step]
+                scored[step] += output.scored[step]
                 ploss[step] += float(output.ploss[step])
     metrics: dict[str, float] = {}
     for step in range(steps):
         metrics[f"acc_{step}"] = correct[step] / counts[step] if counts[step] else 0.0
-        metrics[f"expected_accept_{step}"] = accepted[step] / counts[step] if counts[step] else 0.0
+        metrics[f"expected_accept_{step}"] = accepted[step] / scored[step] if scored[step] else 0.0
         metrics[f"ploss_{step}"] = ploss[step] / len(features)
     metrics["simulated_accept_len"] = simulated_accept_length([metrics[f"acc_{step}"] for step in range(steps)])
     return metrics

@@ -138,3 +138,27 @@ def test_a_draft_that_copies_the_teacher_is_fully_accepted() -> None:
     aligned.target_top1_in_draft = torch.ones_like(batch.target_top1_in_draft)
     with torch.no_grad():
         assert ttt_forward(draft, aligned, 1).acc[0] == 1.0
+
+
+def test_a_target_top1_outside_the_draft_vocab_is_a_miss() -> None:
+    """An engine cannot accept a token its draft cannot propose: acc_k counts every supervised position, so a
+    draft that matches the teacher wherever it can scores the in-draft share, not 1.0 (the loss still skips
+    those positions, as SpecForge's does)."""
+    draft = tiny_draft()
+    batch = random_batch(length=6)
+    with torch.no_grad():
+        ids = torch.cat([batch.input_ids[:, 1:], batch.input_ids[:, :1]], dim=1)
+        _, logits = draft(batch.aux_hidden_state, ids)
+    predicted = draft.draft_to_target(logits.argmax(-1))
+    aligned = copy.copy(batch)
+    aligned.target_top1 = torch.cat([predicted[:, :1], predicted], dim=1)[:, :6]
+    aligned.loss_mask = torch.ones_like(batch.loss_mask)
+    aligned.target_top1_in_draft = torch.tensor([[True, True, False, True, False, True],
+                                                 [True, False, True, True, True, True]])
+    with torch.no_grad():
+        output = ttt_forward(draft, aligned, 1)
+    supervised = aligned.loss_mask[:, 1:].float()
+    in_draft = supervised * aligned.target_top1_in_draft[:, 1:].float()
+    assert output.supervised[0] == float(supervised.sum()) == 10.0
+    assert output.scored[0] == float(in_draft.sum()) == 7.0
+    assert output.acc[0] == pytest.approx(7.0 / 10.0)
