@@ -46,12 +46,15 @@ class DataSource(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     path: Optional[str] = None
-    asset: Optional[Literal["mtbench", "sharegpt-dummy", "humaneval", "chitchat"]] = None
+    asset: Optional[Literal["mtbench", "sharegpt-dummy", "sharegpt-v3", "humaneval", "chitchat"]] = None
     format: Literal["auto", "sharegpt", "openai", "text", "mtbench", "humaneval", "chitchat"] = "auto"
     limit: Optional[int] = Field(default=None, ge=1)
     max_user_turns: Optional[int] = Field(
         default=None, ge=1, description="keep conversations up to this many user turns (the cut is recorded per record)"
     )
+    drop_leading_assistant: bool = Field(
+        default=False, description="drop assistant turns before the first user turn (ShareGPT's split conversations "
+        "often open mid-dialogue; there is no prompt to regenerate them from); recorded per record and counted")
     split: Literal["auto", "train", "eval"] = "auto"
 
     @model_validator(mode="after")
@@ -168,6 +171,9 @@ class TrainingConfig(Section):
     weight_decay: float = Field(default=0.0, ge=0.0)
     warmup_ratio: float = Field(default=0.02, ge=0.0, le=1.0)
     max_grad_norm: float = Field(default=0.5, gt=0.0)
+    freeze_lm_head: bool = Field(
+        default=False, description="keep the draft's lm_head at the target's rows (as EAGLE-1/2 reuse the target's "
+        "head): fewer weights to learn from little data")
     epochs: int = Field(default=1, ge=1)
     max_steps: Optional[int] = Field(default=None, ge=1)
     tokens_per_step: int = Field(default=2048, ge=1)

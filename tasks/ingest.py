@@ -4,7 +4,9 @@ Writes `data/prompts.jsonl` (PromptRecord per line) and `data/ingest_report.json
 is ok, error (with the reason and file:line) or skipped (with the reason), and the three add up to the input.
 Sources are read in order; a repeated id, or a copy of a conversation already taken (`data.dedupe`,
 tasks/data/dedupe.py), is skipped naming the first one, and does not use up the source's `limit`. The report's
-`by_source` counts are after deduplication, and `metrics["duplicates.<source>"]` counts the copies per source.
+`by_source` counts are after deduplication, and `metrics["duplicates.<source>"]` counts the copies per source;
+a source with `drop_leading_assistant` also counts the records that lost leading assistant turns
+(`metrics["leading_assistant_dropped.<source>"]`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from tasks.data.dedupe import conversation_key
 from tasks.data.formats import BadRecord, Normalised, normalise
 from tasks.data.input_files import iter_items
 
-ASSET_FORMATS = {"mtbench": "mtbench", "sharegpt-dummy": "sharegpt", "humaneval": "humaneval", "chitchat": "chitchat"}
+ASSET_FORMATS = {"mtbench": "mtbench", "sharegpt-dummy": "sharegpt", "sharegpt-v3": "sharegpt", "humaneval": "humaneval",
+                 "chitchat": "chitchat"}
 
 
 @dataclass
@@ -59,6 +62,8 @@ def run(cfg: RunConfig) -> IngestResult:
     report = StageReport.from_outcomes("ingest", outcomes, source_of)
     for source in cfg.data.sources:
         report.metrics[f"duplicates.{source.name}"] = float(seen.copies.get(source.name, 0))
+        if source.drop_leading_assistant:
+            report.metrics[f"leading_assistant_dropped.{source.name}"] = float(seen.leading_dropped.get(source.name, 0))
     data_dir = cfg.output_path / "data"
     prompts_path = data_dir / "prompts.jsonl"
     report_path = data_dir / "ingest_report.json"
@@ -86,6 +91,7 @@ class Seen:
     ids: dict[str, str] = field(default_factory=dict)
     conversations: dict[str, str] = field(default_factory=dict)
     copies: dict[str, int] = field(default_factory=dict)
+    leading_dropped: dict[str, int] = field(default_factory=dict)
 
     def copy_of(self, source: str, key: str | None) -> str | None:
         """The id of the record this conversation copies, counting the copy; None when it is new."""
@@ -121,6 +127,8 @@ def ingest_source(source: DataSource, seen: Seen):
                 yield None, Outcome(key=key, id=record_id, status="skipped",
                                     reason=f"duplicate id {record_id} (first at {seen.ids[record_id]})")
                 continue
+            if source.drop_leading_assistant:
+                drop_leading_assistant(normalised)
             if source.max_user_turns is not None:
                 keep_user_turns(normalised, source.max_user_turns)
             conversation = conversation_key(normalised, seen.dedupe)
@@ -144,7 +152,22 @@ def ingest_source(source: DataSource, seen: Seen):
                 metadata=normalised.metadata,
             )
             accepted += 1
+            if "dropped_leading_turns" in normalised.metadata:
+                seen.leading_dropped[source.name] = seen.leading_dropped.get(source.name, 0) + 1
             yield record, Outcome(key=key, id=record_id, status="ok")
+
+
+def drop_leading_assistant(normalised: Normalised) -> None:
+    """Remove the assistant turns before the first user turn (system turns stay), recording how many went.
+    A conversation without a user turn is left whole for validate to reject."""
+    first_user = next((index for index, message in enumerate(normalised.messages) if message.role == "user"), None)
+    if first_user is None:
+        return
+    kept = [message for index, message in enumerate(normalised.messages)
+            if index >= first_user or message.role != "assistant"]
+    if len(kept) < len(normalised.messages):
+        normalised.metadata["dropped_leading_turns"] = str(len(normalised.messages) - len(kept))
+        normalised.messages = kept
 
 
 def keep_user_turns(normalised: Normalised, limit: int) -> None:

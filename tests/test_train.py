@@ -113,3 +113,24 @@ def test_two_ranks_match_one_and_resume_exactly(base_run, tmp_path: Path) -> Non
     train.run(halted)
     train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "latest"})}))
     assert all(torch.equal(weights(two)[name], weights(halted)[name]) for name in weights(two))
+
+
+def test_a_frozen_lm_head_stays_the_targets_rows(base_run, tmp_path: Path) -> None:
+    """training.freeze_lm_head keeps the head the draft starts from (the target's rows of the draft vocabulary)
+    while the rest learns; it is a math field, so a run with the other setting cannot resume from it."""
+    from models.target_heads import load_target_heads
+    from models.vocab_mapping import load_vocab_mapping
+
+    cfg = fresh(base_run, tmp_path, "frozen", freeze_lm_head=True, max_steps=6)
+    train.run(cfg)
+    vocab = load_vocab_mapping(cfg.output_path / "vocab" / "vocab_mapping.safetensors")
+    rows = load_target_heads(cfg.output_path / "target").lm_head[torch.arange(vocab.draft_vocab_size) + vocab.d2t]
+    exported = weights(cfg)
+    assert torch.equal(exported["lm_head.weight"], rows.to(exported["lm_head.weight"].dtype))
+    moving = fresh(base_run, tmp_path, "moving", max_steps=6)
+    train.run(moving)
+    assert not torch.equal(weights(moving)["lm_head.weight"], exported["lm_head.weight"])
+    changed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"freeze_lm_head": False,
+                                                                                 "resume_from": "latest"})})
+    with pytest.raises(ResumeRefused, match="training.freeze_lm_head"):
+        train.run(changed)

