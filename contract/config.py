@@ -207,6 +207,10 @@ class BenchmarkConfig(Section):
     engines: list[Literal["vllm", "sglang"]] = Field(default_factory=list)
     concurrency: list[int] = Field(default_factory=lambda: [1, 4])
     rounds: int = Field(default=1, ge=1)
+    engine_starts: Literal["per_round", "once"] = Field(
+        default="per_round", description="per_round: a fresh engine for every variant of every round, one at a time; "
+        "once: each variant's engine starts once (ports runtime.engines.<engine>.port + 0, 1, ...) and stays up while "
+        "the rounds alternate between them: fewer starts, so more rounds for the same time (idle engines hold memory)")
     num_speculative_tokens: list[int] = Field(
         default_factory=list,
         description="chain lengths served with the drafter, each measured against the same baselines; the best "

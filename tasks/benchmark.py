@@ -3,8 +3,10 @@
 For each engine in `benchmark.engines` (vLLM's CPU build here, SGLang on GPU hosts: the same code, with the
 engine's own command and metrics), the target `<output_dir>/target` is served from the engine's own
 environment (tasks/serving/engine.py) alone ("baseline") and with the EAGLE3 export `draft/<engine>`
-("eagle3", `evaluation.steps` speculative tokens, chain), one fresh engine at a time, alternating
-baseline, eagle3, baseline, eagle3, ... for `benchmark.rounds` rounds. Both serve the same requests: one per
+("eagle3", `evaluation.steps` speculative tokens, chain), alternating baseline, eagle3, baseline, eagle3, ...
+for `benchmark.rounds` rounds: with `benchmark.engine_starts: per_round` one fresh engine at a time, with `once`
+each variant's engine started once on its own port and kept up while the rounds alternate between them (no
+start-up per round, so more rounds fit the same time; the idle engines hold their memory). Both serve the same requests: one per
 supervised assistant turn (the conversation before it) of the held-out records in `data/eval.jsonl` that the
 evaluate stage decodes, `benchmark.num_requests` of them (cycling when there are fewer), through the chat
 endpoint so the engine applies the chat template. Every concurrency level of `benchmark.concurrency` sends
@@ -52,6 +54,7 @@ import asyncio
 import statistics
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -125,21 +128,18 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     engines: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
     for kind in settings.engines:
-        baselines: list[VariantRun] = []
-        drafted: dict[int, list[VariantRun]] = {k: [] for k in sweep}
-        for round_number in range(1, settings.rounds + 1):  # alternate: without, with, without, with, ...
-            baselines.append(measure_variant(cfg, kind, "baseline", requests, sampling, None, steps, round_number))
-            for k in sweep:
-                variant = "eagle3" if len(sweep) == 1 else f"eagle3-k{k}"
-                drafted[k].append(measure_variant(cfg, kind, variant, requests, sampling, out / "draft" / kind, k,
-                                                  round_number))
+        if settings.engine_starts == "once":
+            baselines, drafted = measure_resident(cfg, kind, requests, sampling, sweep, steps)
+        else:
+            baselines, drafted = measure_per_round(cfg, kind, requests, sampling, sweep, steps)
         engines[kind] = engine_report(cfg, kind, baselines, drafted, steps)
         measured_runs = baselines + [measured for runs in drafted.values() for measured in runs]
         rows += [row for measured in measured_runs for row in request_rows(kind, measured)]
 
     report = {
         "settings": {
-            "concurrency": list(settings.concurrency), "rounds": settings.rounds, "num_requests": settings.num_requests,
+            "concurrency": list(settings.concurrency), "rounds": settings.rounds,
+            "engine_starts": settings.engine_starts, "num_requests": settings.num_requests,
             "max_tokens": settings.max_tokens, "temperature": settings.temperature,
             "num_speculative_tokens": sweep, "offline_steps": steps, "eval_records": len(records),
             "distinct_prompts": len({request.prompt_id for request in requests}),
@@ -205,6 +205,50 @@ def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optiona
     return launch
 
 
+def variant_name(k: int, sweep: list[int]) -> str:
+    return "eagle3" if len(sweep) == 1 else f"eagle3-k{k}"
+
+
+def measure_per_round(cfg: RunConfig, kind: EngineKind, requests: list[ChatRequest], sampling: Sampling,
+                      sweep: list[int], steps: int) -> tuple[list[VariantRun], dict[int, list[VariantRun]]]:
+    """`benchmark.engine_starts: per_round`: a fresh engine per variant and round, one at a time, alternating
+    without, with (each k), without, with, ..."""
+    draft = cfg.output_path / "draft" / kind
+    baselines: list[VariantRun] = []
+    drafted: dict[int, list[VariantRun]] = {k: [] for k in sweep}
+    for round_number in range(1, cfg.benchmark.rounds + 1):
+        baselines.append(measure_variant(cfg, kind, "baseline", requests, sampling, None, steps, round_number))
+        for k in sweep:
+            drafted[k].append(measure_variant(cfg, kind, variant_name(k, sweep), requests, sampling, draft, k,
+                                              round_number))
+    return baselines, drafted
+
+
+def measure_resident(cfg: RunConfig, kind: EngineKind, requests: list[ChatRequest], sampling: Sampling,
+                     sweep: list[int], steps: int) -> tuple[list[VariantRun], dict[int, list[VariantRun]]]:
+    """`benchmark.engine_starts: once`: every variant's engine is started once (own port) and kept up; each round
+    measures them one after the other on the same live engines, so the rounds cost no start-ups."""
+    draft = cfg.output_path / "draft" / kind
+    variants = [("baseline", None, steps)] + [(variant_name(k, sweep), draft, k) for k in sweep]
+    baselines: list[VariantRun] = []
+    drafted: dict[int, list[VariantRun]] = {k: [] for k in sweep}
+    with ExitStack() as stack:
+        live = []
+        for offset, (variant, variant_draft, k) in enumerate(variants):
+            launch = engine_launch(cfg, kind, variant, variant_draft, k)
+            launch.port += offset
+            started = time.monotonic()
+            engine = stack.enter_context(serve(launch))
+            live.append((variant, variant_draft, k, engine, time.monotonic() - started))
+            warm_up(engine, requests[0])
+        for round_number in range(1, cfg.benchmark.rounds + 1):
+            for variant, variant_draft, k, engine, startup_s in live:
+                measured = measure_levels(cfg, kind, engine, variant, requests, sampling, variant_draft is not None,
+                                          startup_s, round_number)
+                (baselines if variant_draft is None else drafted[k]).append(measured)
+    return baselines, drafted
+
+
 def measure_variant(cfg: RunConfig, kind: EngineKind, variant: str, requests: list[ChatRequest],
                     sampling: Sampling, draft: Optional[Path], steps: int, round_number: int = 1) -> VariantRun:
     """Start the engine, warm it up, run every concurrency level, stop it."""
@@ -212,16 +256,24 @@ def measure_variant(cfg: RunConfig, kind: EngineKind, variant: str, requests: li
     started = time.monotonic()
     with serve(launch) as engine:
         startup_s = time.monotonic() - started
-        measured = VariantRun(variant=variant, round=round_number, report={
-            "command": engine.command, "log": str(launch.log_path), "startup_s": startup_s, "levels": [],
-        })
         warm_up(engine, requests[0])
-        with PeakMemory(engine.pid) as memory:
-            for concurrency in cfg.benchmark.concurrency:
-                level, results = measure_level(engine, kind, requests, sampling, concurrency, draft is not None)
-                measured.report["levels"].append(level)
-                measured.results[concurrency] = results
-        measured.report["peak_rss_mib"] = memory.peak_bytes / 2**20
+        return measure_levels(cfg, kind, engine, variant, requests, sampling, draft is not None, startup_s,
+                              round_number)
+
+
+def measure_levels(cfg: RunConfig, kind: EngineKind, engine: RunningEngine, variant: str,
+                   requests: list[ChatRequest], sampling: Sampling, speculative: bool, startup_s: float,
+                   round_number: int) -> VariantRun:
+    """Every concurrency level on a started, warmed-up engine, with the peak RSS of its process tree."""
+    measured = VariantRun(variant=variant, round=round_number, report={
+        "command": engine.command, "log": str(engine.log_path), "startup_s": startup_s, "levels": [],
+    })
+    with PeakMemory(engine.pid) as memory:
+        for concurrency in cfg.benchmark.concurrency:
+            level, results = measure_level(engine, kind, requests, sampling, concurrency, speculative)
+            measured.report["levels"].append(level)
+            measured.results[concurrency] = results
+    measured.report["peak_rss_mib"] = memory.peak_bytes / 2**20
     return measured
 
 

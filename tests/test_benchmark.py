@@ -550,12 +550,21 @@ def test_vllm_sweep_measures_each_chain_length_and_recommends_the_fastest(drafte
 
     if not (drafted_run.output_path / "evaluate" / "acceptance.json").is_file():
         evaluate.run(drafted_run)
-    settings = drafted_run.benchmark.model_copy(update={"num_speculative_tokens": [1, 3], "concurrency": [1]})
+    settings = drafted_run.benchmark.model_copy(update={"num_speculative_tokens": [1, 3], "concurrency": [1],
+                                                        "rounds": 2, "engine_starts": "once"})
     cfg = drafted_run.model_copy(update={"benchmark": settings})
     report = benchmark.run(cfg).report
 
     assert report["passed"] and report["settings"]["num_speculative_tokens"] == [1, 3]
     vllm = report["engines"]["vllm"]
+    # engine_starts: once: three engines (own ports) started once each, both rounds measured on them
+    ports = [command[command.index("--port") + 1] for command in (vllm["baseline"]["command"], vllm["eagle3"]["command"])]
+    assert ports[0] != ports[1]
+    for rounds in (vllm["baseline"]["rounds"], vllm["eagle3"]["rounds"]):
+        assert [entry["round"] for entry in rounds] == [1, 2]
+        assert rounds[0]["startup_s"] == rounds[1]["startup_s"], "one start per variant, not per round"
+    assert all(len(row["speedup"][0]["per_round"]) == 2 for row in vllm["sweep"])
+    assert not list((cfg.output_path / "benchmark" / "logs").glob("*-round2.log"))
     sweep = {row["num_speculative_tokens"]: row for row in vllm["sweep"]}
     assert set(sweep) == {1, 3} and all(row["mean_accept_length"] > 1.0 for row in sweep.values())
     assert all(row["predicted_speedup"] is not None for row in sweep.values())
@@ -564,7 +573,7 @@ def test_vllm_sweep_measures_each_chain_length_and_recommends_the_fastest(drafte
     window = vllm["eagle3"]["speculative"]["window"]
     assert window["draft_tokens"] == fastest * window["drafts"], "the recommended engine drafted its own length"
     assert vllm["acceptance_check"]["status"] == "ok" and vllm["acceptance_check"]["engine_steps"] == 3
-    assert vllm["greedy"]["status"] == "ok" and vllm["greedy"]["compared"] == 8
+    assert vllm["greedy"]["status"] == "ok" and vllm["greedy"]["compared"] == 16  # 4 requests, 2 settings, 2 rounds
     logs = cfg.output_path / "benchmark" / "logs"
     assert (logs / "vllm-eagle3-k1.log").is_file() and (logs / "vllm-eagle3-k3.log").is_file()
     print(f"\nsweep: { {k: (row['speedup'][0]['output_tokens_per_s'], row['predicted_speedup']) for k, row in sweep.items()} }")
