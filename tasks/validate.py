@@ -114,6 +114,15 @@ class ValidateResult:
         return [self.contract_path, self.report_path]
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSONL text, split on "\n" only: JSON leaves U+2028, U+2029 and U+0085 unescaped inside
+    strings (ShareGPT has them), and str.splitlines() would cut a record there."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
 def run(cfg: RunConfig) -> ValidateResult:
     """Validate `<output_dir>/data/regenerated.jsonl` and split it into train/eval."""
     out = cfg.output_path
@@ -126,7 +135,7 @@ def run(cfg: RunConfig) -> ValidateResult:
     target_info = read_target_info(out)
     tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
 
-    lines = source.read_text(encoding="utf-8").splitlines()
+    lines = jsonl_lines(source.read_text(encoding="utf-8"))
     settings = CheckSettings(cfg.validation.max_length, cfg.regeneration.reasoning, target_info.chat_template_hash)
     rows = derive(lines, tokenizer, settings, INPUT_NAME)
     explain_repeated_ids(rows)

@@ -267,6 +267,20 @@ def test_reasoning_content_is_allowed_when_saved(tmp_path: Path, materialised: P
     assert [row["messages"][1]["reasoning_content"] for row in kept] == ["Italy's capital is Rome."]
 
 
+def test_unicode_line_separators_inside_a_record_do_not_split_it(tmp_path: Path, materialised: Path,
+                                                                  chat_hash: str) -> None:
+    """JSON keeps U+2028 / U+2029 / U+0085 raw inside strings (ShareGPT V3 has them): one record, not several."""
+    from tasks import validate
+
+    records = [conv(chat_hash, "separators", user("Line one\u2028line two\u2029and\x85three?"), bot("Yes\u2028no.")),
+               *clean_records(chat_hash)[:2]]
+    cfg = prepare(tmp_path, materialised, records)
+    assert "\u2028" in (cfg.output_path / "data" / "regenerated.jsonl").read_text(encoding="utf-8")
+    result = validate.run(cfg)
+    assert result.report.input == 3 and result.report.ok == 3, result.report
+    assert outcomes_by_id(cfg)["chats:separators"]["status"] == "ok"
+
+
 # --- hard failure -------------------------------------------------------------------------------------------
 
 def test_error_fraction_above_threshold_raises_after_writing_reports(tmp_path: Path, materialised: Path, chat_hash: str) -> None:
