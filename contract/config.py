@@ -200,6 +200,23 @@ class EvaluationConfig(Section):
     temperature: float = Field(default=0.0, ge=0.0)
 
 
+class DraftTreeConfig(Section):
+    """One SGLang draft tree: `topk` branches per draft step over `steps` steps, the best `num_draft_tokens`
+    verified per round (SGLang's --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens)."""
+
+    steps: int = Field(ge=1)
+    topk: int = Field(default=4, ge=2)
+    num_draft_tokens: Optional[int] = Field(default=None, ge=2, description="None: the whole tree, steps * topk + 1")
+
+    @model_validator(mode="after")
+    def _fits_the_tree(self) -> "DraftTreeConfig":
+        whole = self.steps * self.topk + 1
+        if self.num_draft_tokens is not None and self.num_draft_tokens > whole:
+            raise ValueError(f"benchmark.sglang_trees: num_draft_tokens {self.num_draft_tokens} is more than the tree "
+                             f"of steps {self.steps} x topk {self.topk} holds ({whole} with the root)")
+        return self
+
+
 class BenchmarkConfig(Section):
     """The serving benchmark. `rounds` alternate without/with the drafter (a fresh engine each time), so that a
     shared machine's noise shows as the spread of the per-round speedups instead of being read as a result."""
@@ -215,6 +232,10 @@ class BenchmarkConfig(Section):
         default_factory=list,
         description="chain lengths served with the drafter, each measured against the same baselines; the best "
         "median speedup is the recommended serving setting (empty: evaluation.steps only)")
+    sglang_trees: list[DraftTreeConfig] = Field(
+        default_factory=list,
+        description="SGLang only (GPU hosts): draft trees served besides the chains of num_speculative_tokens, each "
+        "against the same baselines; vLLM drafts chains only, so its sweep ignores them")
 
     @model_validator(mode="after")
     def _positive_distinct_settings(self) -> "BenchmarkConfig":

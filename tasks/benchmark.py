@@ -21,6 +21,8 @@ noise is visible as spread. Each variant's `levels` are those of its median-thro
 served as `eagle3-k<k>` in every round against the same baselines, the one with the best median speedup at the
 speedup gate's level is the recommended setting (the report's `eagle3`, `speedup` and `num_speculative_tokens`),
 and every setting carries the speedup predicted from the offline evaluation (tasks/serving/speedup_model.py).
+On SGLang `benchmark.sglang_trees` adds draft trees (steps, topk, num_draft_tokens) to the sweep as
+`eagle3-s<S>-t<K>-n<N>` (tasks/serving/serving_setting.py); the recommendation may then be a tree.
 
 What the stage checks (a failure is written to the report first, then raised as BenchmarkFailed):
   - every request completed;
@@ -54,7 +56,6 @@ import asyncio
 import statistics
 import threading
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -62,11 +63,12 @@ from typing import Any, Optional
 from contract.config import RunConfig
 from contract.records import PromptRecord
 from tasks.common.artifacts import read_json, save_figure, write_json, write_jsonl
-from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve
+from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve, serve_together
 from tasks.data.held_out import select_records, turn_prefixes
 from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
-from tasks.serving.speedup_model import predicted_speedup
+from tasks.serving.serving_setting import ServingSetting, serving_sweep
+from tasks.serving.speedup_model import predicted_setting_speedup
 
 VARIANTS = ("baseline", "eagle3")
 #: One short request before measuring, so no level pays the engine's first-request costs.
@@ -124,10 +126,10 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     steps = cfg.evaluation.steps  # the offline evaluation's chain length: both measure the same drafting
     sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens)
 
-    sweep = settings.num_speculative_tokens or [steps]
     engines: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
     for kind in settings.engines:
+        sweep = serving_sweep(kind, settings.num_speculative_tokens, settings.sglang_trees, steps)
         if settings.engine_starts == "once":
             baselines, drafted = measure_resident(cfg, kind, requests, sampling, sweep, steps)
         else:
@@ -141,7 +143,9 @@ def run(cfg: RunConfig) -> BenchmarkResult:
             "concurrency": list(settings.concurrency), "rounds": settings.rounds,
             "engine_starts": settings.engine_starts, "num_requests": settings.num_requests,
             "max_tokens": settings.max_tokens, "temperature": settings.temperature,
-            "num_speculative_tokens": sweep, "offline_steps": steps, "eval_records": len(records),
+            "num_speculative_tokens": settings.num_speculative_tokens or [steps],
+            "sglang_trees": [tree.model_dump() for tree in settings.sglang_trees],
+            "offline_steps": steps, "eval_records": len(records),
             "distinct_prompts": len({request.prompt_id for request in requests}),
         },
         "engines": engines,
@@ -192,7 +196,7 @@ def build_requests(records: list[PromptRecord], count: int) -> list[ChatRequest]
 # --- serving and measuring ------------------------------------------------------------------------------
 
 
-def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optional[Path], steps: int,
+def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optional[Path], setting: ServingSetting,
                   round_number: int = 1) -> EngineLaunch:
     """The engine from runtime.engines, on the run's target, logging to
     benchmark/logs/<engine>-<variant>.log (`-round<N>` added from the second round on)."""
@@ -200,59 +204,68 @@ def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optiona
     log_path = cfg.output_path / "benchmark" / "logs" / f"{kind}-{variant}{suffix}.log"
     log_path.unlink(missing_ok=True)  # start_engine appends; this run's log holds only this run
     launch = EngineLaunch.from_config(kind, cfg.runtime.engines[kind], model=cfg.output_path / "target",
-                                      log_path=log_path, draft=draft, num_speculative_tokens=steps)
+                                      log_path=log_path, draft=draft, num_speculative_tokens=setting.steps,
+                                      topk=setting.topk, num_draft_tokens=setting.num_draft_tokens)
     launch.startup_timeout_s = cfg.benchmark.startup_timeout_s
     return launch
 
 
-def variant_name(k: int, sweep: list[int]) -> str:
-    return "eagle3" if len(sweep) == 1 else f"eagle3-k{k}"
+def variant_name(setting: ServingSetting, sweep: list[ServingSetting]) -> str:
+    return "eagle3" if len(sweep) == 1 else f"eagle3-{setting.label}"
+
+
+Drafted = dict[ServingSetting, list[VariantRun]]
 
 
 def measure_per_round(cfg: RunConfig, kind: EngineKind, requests: list[ChatRequest], sampling: Sampling,
-                      sweep: list[int], steps: int) -> tuple[list[VariantRun], dict[int, list[VariantRun]]]:
+                      sweep: list[ServingSetting], steps: int) -> tuple[list[VariantRun], Drafted]:
     """`benchmark.engine_starts: per_round`: a fresh engine per variant and round, one at a time, alternating
-    without, with (each k), without, with, ..."""
+    without, with (each setting), without, with, ..."""
     draft = cfg.output_path / "draft" / kind
     baselines: list[VariantRun] = []
-    drafted: dict[int, list[VariantRun]] = {k: [] for k in sweep}
+    drafted: Drafted = {setting: [] for setting in sweep}
     for round_number in range(1, cfg.benchmark.rounds + 1):
-        baselines.append(measure_variant(cfg, kind, "baseline", requests, sampling, None, steps, round_number))
-        for k in sweep:
-            drafted[k].append(measure_variant(cfg, kind, variant_name(k, sweep), requests, sampling, draft, k,
-                                              round_number))
+        baselines.append(measure_variant(cfg, kind, "baseline", requests, sampling, None, ServingSetting(steps),
+                                         round_number))
+        for setting in sweep:
+            drafted[setting].append(measure_variant(cfg, kind, variant_name(setting, sweep), requests, sampling, draft,
+                                                    setting, round_number))
     return baselines, drafted
 
 
 def measure_resident(cfg: RunConfig, kind: EngineKind, requests: list[ChatRequest], sampling: Sampling,
-                     sweep: list[int], steps: int) -> tuple[list[VariantRun], dict[int, list[VariantRun]]]:
-    """`benchmark.engine_starts: once`: every variant's engine is started once (own port) and kept up; each round
-    measures them one after the other on the same live engines, so the rounds cost no start-ups."""
+                     sweep: list[ServingSetting], steps: int) -> tuple[list[VariantRun], Drafted]:
+    """`benchmark.engine_starts: once`: every variant's engine is started once (own port, all at the same time)
+    and kept up; each round measures them one after the other on the same live engines, so the rounds cost no
+    start-ups."""
     draft = cfg.output_path / "draft" / kind
-    variants = [("baseline", None, steps)] + [(variant_name(k, sweep), draft, k) for k in sweep]
+    variants = [("baseline", None, ServingSetting(steps))]
+    variants += [(variant_name(setting, sweep), draft, setting) for setting in sweep]
     baselines: list[VariantRun] = []
-    drafted: dict[int, list[VariantRun]] = {k: [] for k in sweep}
-    with ExitStack() as stack:
+    drafted: Drafted = {setting: [] for setting in sweep}
+    launches = []
+    for offset, (variant, variant_draft, setting) in enumerate(variants):
+        launch = engine_launch(cfg, kind, variant, variant_draft, setting)
+        launch.port += offset
+        launches.append(launch)
+    with serve_together(launches) as engines:
         live = []
-        for offset, (variant, variant_draft, k) in enumerate(variants):
-            launch = engine_launch(cfg, kind, variant, variant_draft, k)
-            launch.port += offset
-            started = time.monotonic()
-            engine = stack.enter_context(serve(launch))
-            live.append((variant, variant_draft, k, engine, time.monotonic() - started))
+        for (variant, variant_draft, setting), (engine, startup_s) in zip(variants, engines):
             warm_up(engine, requests[0])
+            live.append((variant, variant_draft, setting, engine, startup_s))
         for round_number in range(1, cfg.benchmark.rounds + 1):
-            for variant, variant_draft, k, engine, startup_s in live:
+            for variant, variant_draft, setting, engine, startup_s in live:
                 measured = measure_levels(cfg, kind, engine, variant, requests, sampling, variant_draft is not None,
                                           startup_s, round_number)
-                (baselines if variant_draft is None else drafted[k]).append(measured)
+                (baselines if variant_draft is None else drafted[setting]).append(measured)
     return baselines, drafted
 
 
 def measure_variant(cfg: RunConfig, kind: EngineKind, variant: str, requests: list[ChatRequest],
-                    sampling: Sampling, draft: Optional[Path], steps: int, round_number: int = 1) -> VariantRun:
+                    sampling: Sampling, draft: Optional[Path], setting: ServingSetting,
+                    round_number: int = 1) -> VariantRun:
     """Start the engine, warm it up, run every concurrency level, stop it."""
-    launch = engine_launch(cfg, kind, variant, draft, steps, round_number)
+    launch = engine_launch(cfg, kind, variant, draft, setting, round_number)
     started = time.monotonic()
     with serve(launch) as engine:
         startup_s = time.monotonic() - started
@@ -349,7 +362,7 @@ def tree_rss_bytes(pid: int) -> int:
 # --- checks ---------------------------------------------------------------------------------------------
 
 
-def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafted: dict[int, list[VariantRun]],
+def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafted: Drafted,
                   steps: int) -> dict[str, Any]:
     """One engine: the baseline, every drafted setting against it, the recommended setting and every check.
     `eagle3` and `speedup` are those of the recommended setting (what the speedup gate judges); the engine's
@@ -358,31 +371,37 @@ def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafte
     offline_path = cfg.output_path / OFFLINE_ACCEPTANCE
     offline = read_json(offline_path) if offline_path.is_file() else None
     per_setting = {}
-    for k, runs in drafted.items():
+    for setting, runs in drafted.items():
         failures += [failure for measured in runs for failure in failed_requests(kind, measured)]
-        per_setting[k] = setting_report(cfg, kind, baselines, runs, k)
-        if per_setting[k]["drafting_problem"]:
-            failures.append(per_setting[k]["drafting_problem"])
+        per_setting[setting] = setting_report(cfg, kind, baselines, runs, setting)
+        if per_setting[setting]["drafting_problem"]:
+            failures.append(per_setting[setting]["drafting_problem"])
     greedy = merged_greedy([entry["greedy"] for entry in per_setting.values()])
     if greedy.get("mismatches"):
         failures.append(mismatch_message(kind, greedy["mismatches"]))
-    if steps in per_setting:
-        contract = check_acceptance(cfg, kind, per_setting[steps]["eagle3"]["speculative"]["mean_accept_length"], steps)
+    offline_chain = ServingSetting(steps)
+    if offline_chain in per_setting:
+        engine_length = per_setting[offline_chain]["eagle3"]["speculative"]["mean_accept_length"]
+        contract = check_acceptance(cfg, kind, engine_length, steps)
     else:
-        contract = {"status": "skipped", "reason": f"benchmark.num_speculative_tokens {sorted(drafted)} does not "
+        chains = sorted(setting.steps for setting in per_setting if setting.is_chain)
+        contract = {"status": "skipped", "reason": f"benchmark.num_speculative_tokens {chains} does not "
                     f"include evaluation.steps {steps}, the chain the offline evaluation measured"}
     if contract["status"] == "failed":
         failures.append(contract["reason"])
     best = recommended_setting(cfg, per_setting)
     return {
         "baseline": combine_rounds(baselines),
-        "num_speculative_tokens": best,
+        "num_speculative_tokens": best.steps if best.is_chain else None,
+        "serving_setting": {**best.as_dict(), "label": best.label, "flags": best.engine_flags(kind)},
         "eagle3": per_setting[best]["eagle3"],
         "speedup": per_setting[best]["speedup"],
-        "sweep": [{"num_speculative_tokens": k, "mean_accept_length": entry["eagle3"]["speculative"]["mean_accept_length"],
+        "sweep": [{"label": setting.label, "setting": setting.as_dict(),
+                   "num_speculative_tokens": setting.steps if setting.is_chain else None,
+                   "mean_accept_length": entry["eagle3"]["speculative"]["mean_accept_length"],
                    "speedup": entry["speedup"],
-                   "predicted_speedup": predicted_speedup(offline, k) if offline is not None else None}
-                  for k, entry in per_setting.items()],
+                   "predicted_speedup": predicted_setting_speedup(offline, setting) if offline is not None else None}
+                  for setting, entry in per_setting.items()],
         "greedy": greedy,
         "acceptance_check": contract,
         "failures": failures,
@@ -390,10 +409,11 @@ def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafte
 
 
 def setting_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], runs: list[VariantRun],
-                   k: int) -> dict[str, Any]:
+                   setting: ServingSetting) -> dict[str, Any]:
     """One drafted setting over its rounds, against the baselines of the same rounds."""
     eagle3 = combine_rounds(runs)
-    eagle3["num_speculative_tokens"] = k
+    eagle3["num_speculative_tokens"] = setting.steps if setting.is_chain else None
+    eagle3["serving_setting"] = setting.as_dict()
     eagle3["speculative"] = overall_acceptance(kind, [level for measured in runs for level in measured.report["levels"]])
     greedy = compare_greedy_rounds(baselines, runs) if cfg.benchmark.temperature == 0 else {
         "status": "skipped", "reason": "temperature > 0: outputs are sampled"}
@@ -402,12 +422,12 @@ def setting_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], runs:
                                 [measured.report["levels"] for measured in runs])}
 
 
-def recommended_setting(cfg: RunConfig, per_setting: dict[int, dict[str, Any]]) -> int:
+def recommended_setting(cfg: RunConfig, per_setting: dict[ServingSetting, dict[str, Any]]) -> ServingSetting:
     """The setting with the best median speedup at the level the speedup gate judges (the lowest by default)."""
     wanted = cfg.registry.speedup_concurrency or min(cfg.benchmark.concurrency)
 
-    def median_speedup(k: int) -> float:
-        row = next((row for row in per_setting[k]["speedup"] if row["concurrency"] == wanted), None)
+    def median_speedup(setting: ServingSetting) -> float:
+        row = next((row for row in per_setting[setting]["speedup"] if row["concurrency"] == wanted), None)
         return row["output_tokens_per_s"] if row and row["output_tokens_per_s"] is not None else float("-inf")
 
     return max(per_setting, key=median_speedup)
@@ -654,12 +674,15 @@ def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
             metrics[f"{kind}_c{row['concurrency']}_speedup_min"] = row["min"]
             metrics[f"{kind}_c{row['concurrency']}_speedup_max"] = row["max"]
         metrics[f"{kind}_recommended_num_speculative_tokens"] = engine["num_speculative_tokens"]
+        for name, value in engine["serving_setting"].items():
+            if name in ("steps", "topk", "num_draft_tokens"):
+                metrics[f"{kind}_recommended_{name}"] = value
         for setting in engine["sweep"]:
-            k = setting["num_speculative_tokens"]
-            metrics[f"{kind}_k{k}_mean_accept_length"] = setting["mean_accept_length"]
-            metrics[f"{kind}_k{k}_predicted_speedup"] = setting["predicted_speedup"]
+            label = setting["label"]
+            metrics[f"{kind}_{label}_mean_accept_length"] = setting["mean_accept_length"]
+            metrics[f"{kind}_{label}_predicted_speedup"] = setting["predicted_speedup"]
             for row in setting["speedup"]:
-                metrics[f"{kind}_k{k}_c{row['concurrency']}_speedup"] = row["output_tokens_per_s"]
+                metrics[f"{kind}_{label}_c{row['concurrency']}_speedup"] = row["output_tokens_per_s"]
         speculative = engine["eagle3"]["speculative"]
         metrics[f"{kind}_mean_accept_length"] = speculative["mean_accept_length"]
         metrics[f"{kind}_draft_acceptance_rate"] = speculative["draft_acceptance_rate"]

@@ -1,9 +1,14 @@
 """regenerate stage: the target rewrites every assistant turn, so the drafter learns the target's own text.
 
 User and system turns are kept; each assistant turn is one generation event whose history holds the
-turns before it, earlier assistant turns being the regenerated ones (without reasoning). Records are
-processed in chunks; within a chunk, turn k of every record is generated together, then turn k+1.
-Each finished chunk is committed to a journal, so a killed run resumes without loss or duplicates.
+turns before it, earlier assistant turns being the regenerated ones (without reasoning).
+
+Two schedules, one result. Through a server (backend openai) records stream: `concurrency` records are in
+flight and each sends its next turn the moment its previous one returns, so the engine's batch stays full
+instead of draining at the end of every round (a round waits for its longest answer). The local backend
+batches in-process, so it goes by chunks: turn k of every record of a chunk together, then turn k+1.
+Finished records are committed to a journal every `chunk_records`, so a killed run resumes without loss
+or duplicates.
 
 Writes `data/regenerated.jsonl` (records with their generation parameters) and
 `data/regenerate_report.json` (every input id: ok, error + reason, or skipped + reason; tokens/s).
@@ -11,13 +16,14 @@ Writes `data/regenerated.jsonl` (records with their generation parameters) and
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from contract.config import RunConfig
 from contract.reasoning import ReasoningError, split_reasoning
@@ -77,11 +83,17 @@ def run(cfg: RunConfig) -> RegenerateResult:
         with ExitStack() as stack:
             generator = open_generator(cfg, stack) if cfg.regeneration.enabled else None
             with progress_bar("regenerate", len(todo)) as bar:
-                for chunk in chunks(todo, cfg.regeneration.chunk_records):
-                    entries = regenerate_chunk(chunk, generator, cfg, params, stats)
+
+                def commit(entries: list[dict[str, Any]]) -> None:
                     journal.commit(entries)
                     done.update((entry["key"], entry) for entry in entries)
-                    advance(bar, len(chunk))
+                    advance(bar, len(entries))
+
+                if generator is not None and generator.streams_records:
+                    stream_records(todo, generator, cfg, params, stats, commit)
+                else:
+                    for chunk in chunks(todo, cfg.regeneration.chunk_records):
+                        commit(regenerate_chunk(chunk, generator, cfg, params, stats))
     return finish(cfg, records, done, stats, journal)
 
 
@@ -183,6 +195,29 @@ def history(messages: list[Message], turn: int) -> list[dict[str, str]]:
     return [{"role": message.role, "content": message.content or ""} for message in messages[:turn]]
 
 
+def plan_record(key: str, record: PromptRecord, supervise: str,
+                keep_responses: bool) -> tuple[Optional[PendingRecord], Optional[dict[str, Any]]]:
+    """A record ready for its turns, or the journal entry saying why it has none (skipped / error)."""
+    try:
+        return PendingRecord(key, record, plan_messages(record, supervise, keep_responses)), None
+    except PlanError as problem:
+        status = "skipped" if record.text is not None else "error"
+        return None, entry_for(key, record, status, str(problem))
+
+
+def finished_entry(item: PendingRecord, params: GenerationParams) -> dict[str, Any]:
+    """The journal entry of a record whose turns are all written (or that failed at one)."""
+    if item.error is not None:
+        return entry_for(item.key, item.record, "error", item.error)
+    generation = params.model_copy(update={"turns": item.turns})
+    finished = item.record.model_copy(update={"messages": item.messages, "generation": generation})
+    return entry_for(item.key, item.record, "ok", None, finished)
+
+
+def by_line(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(entries, key=lambda entry: int(entry["key"].rsplit(":", 1)[1]))
+
+
 def regenerate_chunk(chunk: list[tuple[str, PromptRecord]], generator: Optional[Generator], cfg: RunConfig,
                      params: GenerationParams, stats: dict[str, float]) -> list[dict[str, Any]]:
     """Generate every turn of the chunk's records, round by round; return journal entries."""
@@ -190,21 +225,65 @@ def regenerate_chunk(chunk: list[tuple[str, PromptRecord]], generator: Optional[
     pending: list[PendingRecord] = []
     entries: list[dict[str, Any]] = []
     for key, record in chunk:
-        try:
-            pending.append(PendingRecord(key, record, plan_messages(record, settings.supervise, generator is None)))
-        except PlanError as problem:
-            status = "skipped" if record.text is not None else "error"
-            entries.append(entry_for(key, record, status, str(problem)))
+        item, entry = plan_record(key, record, settings.supervise, generator is None)
+        if item is None:
+            entries.append(entry)
+        else:
+            pending.append(item)
     if generator is not None:
         run_rounds(pending, generator, settings, stats)
-    for item in pending:
-        if item.error is not None:
-            entries.append(entry_for(item.key, item.record, "error", item.error))
-            continue
-        finished = item.record.model_copy(update={"messages": item.messages, "generation": params.model_copy(update={"turns": item.turns})})
-        entries.append(entry_for(item.key, item.record, "ok", None, finished))
+    entries.extend(finished_entry(item, params) for item in pending)
     stats["records"] += len(chunk)
-    return sorted(entries, key=lambda entry: int(entry["key"].rsplit(":", 1)[1]))
+    return by_line(entries)
+
+
+def stream_records(todo: list[tuple[str, PromptRecord]], generator, cfg: RunConfig, params: GenerationParams,
+                   stats: dict[str, float], commit: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Keep `concurrency` records in flight; commit finished ones every `chunk_records`."""
+    asyncio.run(stream_records_async(todo, generator, cfg, params, stats, commit))
+
+
+async def stream_records_async(todo: list[tuple[str, PromptRecord]], generator, cfg: RunConfig,
+                               params: GenerationParams, stats: dict[str, float],
+                               commit: Callable[[list[dict[str, Any]]], None]) -> None:
+    settings = cfg.regeneration
+    waiting = iter(todo)
+    finished: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    async with generator.client() as client:
+
+        async def worker() -> None:
+            for key, record in waiting:
+                finished.append(await regenerate_record(key, record, generator, client, settings, params, stats))
+                if len(finished) >= settings.chunk_records:
+                    batch = by_line(finished)
+                    finished.clear()
+                    commit(batch)
+
+        await asyncio.gather(*(worker() for _ in range(min(settings.concurrency, len(todo)))))
+    if finished:
+        commit(by_line(finished))
+    stats["generation_seconds"] += time.perf_counter() - started
+
+
+async def regenerate_record(key: str, record: PromptRecord, generator, client, settings,
+                            params: GenerationParams, stats: dict[str, float]) -> dict[str, Any]:
+    """One record's assistant turns in order, each sent as soon as the turn before it is written."""
+    stats["records"] += 1
+    item, entry = plan_record(key, record, settings.supervise, keep_responses=False)
+    if item is None:
+        return entry
+    for turn in item.slots:
+        reply = await generator.generate_one(client, turn_request(item, turn, settings.seed))
+        stats["completion_tokens"] += reply.completion_tokens
+        apply_reply(item, reply, settings.reasoning)
+        if item.error is not None:
+            break
+    return finished_entry(item, params)
+
+
+def turn_request(item: PendingRecord, turn: int, base_seed: int) -> GenerationRequest:
+    return GenerationRequest(item.record.id, turn, history(item.messages, turn), request_seed(base_seed, item.record.id, turn))
 
 
 def run_rounds(pending: list[PendingRecord], generator: Generator, settings, stats: dict[str, float]) -> None:
@@ -212,11 +291,7 @@ def run_rounds(pending: list[PendingRecord], generator: Generator, settings, sta
     rounds = max((len(item.slots) for item in pending), default=0)
     for round_index in range(rounds):
         active = [item for item in pending if item.error is None and round_index < len(item.slots)]
-        requests = []
-        for item in active:
-            turn = item.slots[round_index]
-            requests.append(GenerationRequest(item.record.id, turn, history(item.messages, turn),
-                                              request_seed(settings.seed, item.record.id, turn)))
+        requests = [turn_request(item, item.slots[round_index], settings.seed) for item in active]
         started = time.perf_counter()
         replies = generator.generate(requests)
         stats["generation_seconds"] += time.perf_counter() - started

@@ -304,19 +304,23 @@ def serving_summary(report: Optional[dict[str, Any]]) -> dict[str, Any]:
         engines[kind] = {"mean_accept_length": (engine.get("acceptance_check") or {}).get("engine_mean_accept_length"),
                          "speedup": engine.get("speedup"),
                          "recommended_num_speculative_tokens": engine.get("num_speculative_tokens"),
+                         "recommended_setting": engine.get("serving_setting"),
                          "sweep": engine.get("sweep")}
     return {"status": "passed" if report.get("passed") else "failed", "engines": engines}
 
 
 def recommended_serving(report: Optional[dict[str, Any]]) -> str:
-    """Per engine, the chain length the benchmark measured as fastest, with its median speedup at the lowest
-    level: what to pass as vLLM's `num_speculative_tokens` (SGLang: `--speculative-num-steps`)."""
+    """Per engine, the setting the benchmark measured as fastest, with its median speedup at the lowest level:
+    vLLM's `num_speculative_tokens`, SGLang's steps / topk / num_draft_tokens, and the flags that serve it."""
     if report is None or report.get("skipped") or not report.get("engines"):
         return "not measured"
     recommended = {}
     for kind, engine in report["engines"].items():
         rows = sorted(engine.get("speedup") or [], key=lambda row: row["concurrency"])
+        setting = engine.get("serving_setting") or {}
         recommended[kind] = {"num_speculative_tokens": engine.get("num_speculative_tokens"),
+                             **{name: setting[name] for name in ("steps", "topk", "num_draft_tokens", "flags")
+                                if name in setting},
                              "speedup": rows[0]["output_tokens_per_s"] if rows else None}
     return tag_value(recommended)
 

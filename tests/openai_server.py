@@ -4,7 +4,9 @@
 
 It generates greedily with transformers (the same model the local backend runs). Failure injection answers
 the first N chat requests with `--fail-status`; `--scripted` maps a user prompt to a fixed reply
-(`content`, optional `reasoning_content`) to test how replies are parsed. Binds 127.0.0.1 only.
+(`content`, optional `reasoning_content`, optional `delay_s` before answering) to test how replies are parsed
+and scheduled. `GET /stats` counts chat requests and lists each one's last message in arrival order.
+Binds 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -39,7 +42,7 @@ class ChatModel:
 
 
 def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: dict[str, dict[str, str]]):
-    state = {"chat_requests": 0}
+    state: dict[str, Any] = {"chat_requests": 0, "arrivals": []}
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -77,8 +80,11 @@ def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: 
                 self.send_json(400, {"error": {"message": "messages must be a non-empty list"}})
                 return
             last_user = body["messages"][-1].get("content", "")
+            with lock:
+                state["arrivals"].append(last_user)
             if last_user in scripted:
                 reply = scripted[last_user]
+                time.sleep(float(reply.get("delay_s", 0.0)))
                 message = {"role": "assistant", "content": reply["content"]}
                 if "reasoning_content" in reply:
                     message["reasoning_content"] = reply["reasoning_content"]

@@ -615,28 +615,36 @@ def test_sglang_serves_the_drafter_faithfully_on_a_gpu(drafted_run: RunConfig) -
     assert sglang["acceptance_check"]["status"] == "ok" and sglang["acceptance_check"]["offline_mean_accept_length"] == offline
 
 
-def sweep_run(tmp_path: Path, sweep: list[int], walls: dict[Any, float]) -> tuple[dict[str, Any], list[str]]:
+def sweep_run(tmp_path: Path, sweep: list[int], walls: dict[Any, float], kind: str = "vllm",
+              trees: list[dict[str, int]] = (), tree_offline: dict[str, Any] | None = None,
+              ) -> tuple[dict[str, Any], list[str]]:
     """The stage over canned engines whose wall time per request set depends on the variant (no engine)."""
-    for directory in ("target", "draft/vllm", "data", "evaluate"):
+    for directory in ("target", f"draft/{kind}", "data", "evaluate"):
         (tmp_path / directory).mkdir(parents=True, exist_ok=True)
     record = prompt_record("s:1", [{"role": "user", "content": "question"}, {"role": "assistant", "content": "a"}])
     (tmp_path / "data" / "eval.jsonl").write_text(record.model_dump_json() + "\n")
     offline = {"target": {"tokens_per_second": 10.0},
                "chain": {"steps": 3, "mean_accept_length": 2.5, "acceptance_by_depth": [0.6, 0.5, 0.4], "rounds": 10,
                          "mean_drafted_tokens": 3.0, "verify_seconds": 1.0, "draft_seconds": 0.6}}
+    if tree_offline is not None:
+        offline["tree"] = tree_offline
     (tmp_path / "evaluate" / "acceptance.json").write_text(json.dumps(offline))
     cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "tracking": {"enabled": False}, "benchmark": {
-        "engines": ["vllm"], "concurrency": [1], "num_requests": 2, "rounds": 2, "num_speculative_tokens": sweep}})
+        "engines": [kind], "concurrency": [1], "num_requests": 2, "rounds": 2, "num_speculative_tokens": sweep,
+        "sglang_trees": list(trees)}})
     order: list[str] = []
 
-    def canned(cfg, kind, variant, requests, sampling, draft, steps, round_number=1):
-        order.append(f"{variant}/{steps}/r{round_number}")
-        run = canned_variant(cfg, kind, variant, requests, sampling, None, steps, round_number)
+    def canned(cfg, kind, variant, requests, sampling, draft, setting, round_number=1):
+        order.append(f"{variant}/{setting.label}/r{round_number}")
+        run = canned_variant(cfg, kind, variant, requests, sampling, None, setting.steps, round_number)
         level = run.report["levels"][0]
         level.update(summarize_level(run.results[1], wall_s=walls[variant]))
         if draft is not None:
+            steps = setting.steps
             window = {"drafts": 4.0, "draft_tokens": 4.0 * steps, "accepted": 2.0 * steps,
                       "accepted_per_position": [2.0] * steps}
+            if kind == "sglang":
+                window = {"accept_length": 1.0 + 0.5 * steps, "accept_rate": 0.5}
             level["speculative"] = {"window": window, **spec_counters.acceptance(kind, window)}
         return run
 
@@ -652,8 +660,8 @@ def sweep_run(tmp_path: Path, sweep: list[int], walls: dict[Any, float]) -> tupl
 def test_the_sweep_recommends_the_setting_with_the_best_median_speedup(tmp_path: Path) -> None:
     walls = {"baseline": 2.0, "eagle3-k1": 1.6, "eagle3-k2": 1.0, "eagle3-k3": 2.5}  # speedups 1.25, 2.0, 0.8
     report, order = sweep_run(tmp_path, [1, 2, 3], walls)
-    assert order == ["baseline/3/r1", "eagle3-k1/1/r1", "eagle3-k2/2/r1", "eagle3-k3/3/r1",
-                     "baseline/3/r2", "eagle3-k1/1/r2", "eagle3-k2/2/r2", "eagle3-k3/3/r2"]
+    assert order == ["baseline/k3/r1", "eagle3-k1/k1/r1", "eagle3-k2/k2/r1", "eagle3-k3/k3/r1",
+                     "baseline/k3/r2", "eagle3-k1/k1/r2", "eagle3-k2/k2/r2", "eagle3-k3/k3/r2"]
     vllm = report["engines"]["vllm"]
     assert vllm["num_speculative_tokens"] == 2 and vllm["eagle3"]["num_speculative_tokens"] == 2
     assert vllm["speedup"][0]["output_tokens_per_s"] == pytest.approx(2.0)
@@ -668,6 +676,43 @@ def test_the_sweep_recommends_the_setting_with_the_best_median_speedup(tmp_path:
     summary = benchmark.BenchmarkResult(tmp_path, tmp_path, None, report).summary()
     assert summary["vllm_recommended_num_speculative_tokens"] == 2.0
     assert summary["vllm_k1_c1_speedup"] == pytest.approx(1.25)
+    assert vllm["serving_setting"] == {"steps": 2, "topk": 1, "num_draft_tokens": 3, "label": "k2", "flags": {
+        "speculative_config": {"method": "eagle3", "num_speculative_tokens": 2}}}
+
+
+def test_sglang_sweeps_trees_beside_the_chains_and_can_recommend_a_tree(tmp_path: Path) -> None:
+    # baseline 2.0 s; chain k3 1.6 s (1.25x); tree s3-t4-n8 1.0 s (2.0x); the full tree s2-t2-n5 2.5 s (0.8x)
+    walls = {"baseline": 2.0, "eagle3-k3": 1.6, "eagle3-s3-t4-n8": 1.0, "eagle3-s2-t2-n5": 2.5}
+    tree_offline = {"steps": 3, "topk": 4, "num_draft_tokens": 8, "mean_accept_length": 3.0, "rounds": 10,
+                    "verify_seconds": 1.5, "draft_seconds": 0.5}
+    report, order = sweep_run(tmp_path, [3], walls, kind="sglang", tree_offline=tree_offline,
+                              trees=[{"steps": 3, "topk": 4, "num_draft_tokens": 8}, {"steps": 2, "topk": 2}])
+    assert order[:4] == ["baseline/k3/r1", "eagle3-k3/k3/r1", "eagle3-s3-t4-n8/s3-t4-n8/r1", "eagle3-s2-t2-n5/s2-t2-n5/r1"]
+    sglang = report["engines"]["sglang"]
+    assert sglang["num_speculative_tokens"] is None, "a tree is not a vLLM chain length"
+    assert sglang["serving_setting"] == {"steps": 3, "topk": 4, "num_draft_tokens": 8, "label": "s3-t4-n8", "flags": {
+        "--speculative-num-steps": 3, "--speculative-eagle-topk": 4, "--speculative-num-draft-tokens": 8}}
+    rows = {row["label"]: row for row in sglang["sweep"]}
+    assert [rows[label]["speedup"][0]["output_tokens_per_s"] for label in ("k3", "s3-t4-n8", "s2-t2-n5")] == \
+        pytest.approx([1.25, 2.0, 0.8])
+    # the tree the evaluate stage decoded: 3.0 tokens per 0.2 s round at a 10 tok/s target; no offline run of the other
+    assert rows["s3-t4-n8"]["predicted_speedup"] == pytest.approx(3.0 / 0.2 / 10)
+    assert rows["s2-t2-n5"]["predicted_speedup"] is None
+    assert sglang["acceptance_check"]["engine_steps"] == 3, "checked at the offline chain, not at the winning tree"
+    summary = benchmark.BenchmarkResult(tmp_path, tmp_path, None, report).summary()
+    assert summary["sglang_recommended_topk"] == 4.0 and summary["sglang_s3-t4-n8_c1_speedup"] == pytest.approx(2.0)
+    assert report["settings"]["sglang_trees"][1] == {"steps": 2, "topk": 2, "num_draft_tokens": None}
+
+
+def test_vllm_ignores_sglang_trees(tmp_path: Path) -> None:
+    report, order = sweep_run(tmp_path, [1], {"baseline": 2.0, "eagle3": 1.0}, trees=[{"steps": 3, "topk": 4}])
+    assert [row["label"] for row in report["engines"]["vllm"]["sweep"]] == ["k1"]
+    assert order == ["baseline/k3/r1", "eagle3/k1/r1", "baseline/k3/r2", "eagle3/k1/r2"]
+
+
+def test_a_tree_larger_than_its_steps_and_topk_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"num_draft_tokens 20 is more than the tree of steps 3 x topk 2 holds \(7"):
+        RunConfig.model_validate({"benchmark": {"sglang_trees": [{"steps": 3, "topk": 2, "num_draft_tokens": 20}]}})
 
 
 def test_a_sweep_without_the_offline_chain_length_skips_the_acceptance_check(tmp_path: Path) -> None:

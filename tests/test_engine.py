@@ -20,12 +20,14 @@ import pytest
 from tasks.serving.engine import (
     EngineLaunch,
     EngineStartError,
+    _port_in_use,
     engine_command,
     free_port,
     metric_total,
     parse_prometheus,
     resolve_python,
     serve,
+    serve_together,
     start_engine,
 )
 
@@ -185,6 +187,17 @@ def test_sglang_command_with_and_without_a_draft(tmp_path: Path) -> None:
     assert flag(spec, "--speculative-num-draft-tokens") == "4"
 
 
+def test_sglang_command_serves_a_draft_tree_and_vllm_refuses_one(tmp_path: Path) -> None:
+    launch = EngineLaunch(kind="sglang", model=tmp_path / "t", python="/py", port=30000, log_path=tmp_path / "l",
+                          draft=tmp_path / "d", num_speculative_tokens=5, topk=8, num_draft_tokens=32)
+    command = engine_command(launch)
+    assert [flag(command, name) for name in ("--speculative-num-steps", "--speculative-eagle-topk",
+                                             "--speculative-num-draft-tokens")] == ["5", "8", "32"]
+    launch.kind = "vllm"
+    with pytest.raises(ValueError, match=r"vLLM's EAGLE3 drafts a chain \(topk 1\); topk 8 is an SGLang draft tree"):
+        engine_command(launch)
+
+
 def test_launch_from_an_engine_config(tmp_path: Path) -> None:
     from contract.config import RunConfig
 
@@ -241,6 +254,23 @@ def test_serve_stops_the_engine_when_the_body_raises(fake_engine) -> None:
         with serve(fake_engine()) as engine:
             raise KeyError("boom")
     assert gone(engine.pid)
+
+
+def test_engines_start_together_and_one_failure_stops_the_others(fake_engine) -> None:
+    slow = [fake_engine(FAKE_ENGINE_DELAY="1.5") for _ in range(3)]
+    started = time.monotonic()
+    with serve_together(slow) as engines:
+        elapsed = time.monotonic() - started
+        assert [engine.launch.port for engine, _ in engines] == [launch.port for launch in slow]
+        assert all(engine.alive() and seconds >= 1.5 for engine, seconds in engines)
+        assert elapsed < 3 * 1.5, f"three 1.5 s starts overlapped ({elapsed:.1f} s)"
+    assert all(gone(engine.pid) for engine, _ in engines)
+
+    healthy = fake_engine()
+    with pytest.raises(EngineStartError, match="exited with code 3"):
+        with serve_together([healthy, fake_engine("exit")]):
+            raise AssertionError("the body must not run when an engine failed to start")
+    assert not _port_in_use(healthy.port), "the engine that did start was stopped"
 
 
 def test_an_engine_that_exits_at_once_raises_with_its_log_tail(fake_engine) -> None:

@@ -192,6 +192,10 @@ class ChatServer:
     def chat_requests(self) -> int:
         return httpx.get(self.url.removesuffix("/v1") + "/stats").json()["chat_requests"]
 
+    def arrivals(self) -> list[str]:
+        """The last message of every chat request, in the order the server received them."""
+        return httpx.get(self.url.removesuffix("/v1") + "/stats").json()["arrivals"]
+
     def stop(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -283,6 +287,26 @@ def test_reasoning_modes(tmp_path: Path, tiny_target_dir: Path, serve_tiny) -> N
     off = regenerate.run(openai_run(tmp_path / "off", tiny_target_dir, server.url, items, reasoning="off"))
     assert (off.report.ok, off.report.error) == (0, 3)
     assert all("regeneration.reasoning is 'off'" in outcome.reason for outcome in off.report.outcomes)
+
+
+def test_records_stream_so_a_slow_turn_does_not_hold_back_other_records(tmp_path: Path, tiny_target_dir: Path,
+                                                                        serve_tiny) -> None:
+    # Rounds would send slow-2 together with fast-2, after slow-1 returns; streaming sends fast-2 and fast-3
+    # while slow-1 is still being answered.
+    script = {f"{speed}-{turn}": {"content": f"{speed} answer {turn}.", "delay_s": 1.5 if speed == "slow" else 0.0}
+              for speed in ("slow", "fast") for turn in (1, 2, 3)}
+    (tmp_path / "script.json").write_text(json.dumps(script))
+    server = serve_tiny("--scripted", str(tmp_path / "script.json"))
+    items = [{"id": speed, "messages": [message for turn in (1, 2, 3) for message in
+                                        ({"role": "user", "content": f"{speed}-{turn}"}, {"role": "assistant", "content": "old"})]}
+             for speed in ("slow", "fast")]
+    result = regenerate.run(openai_run(tmp_path / "run", tiny_target_dir, server.url, items, concurrency=2, chunk_records=8))
+    assert result.report.ok == 2
+    arrivals = server.arrivals()
+    assert sorted(arrivals) == sorted(script), "each turn is sent exactly once"
+    assert arrivals.index("fast-3") < arrivals.index("slow-2"), arrivals
+    written = by_id(result.output_path)["chats:slow"].messages
+    assert [message.content for message in written if message.role == "assistant"] == [f"slow answer {turn}." for turn in (1, 2, 3)]
 
 
 def test_journal_entries_are_reused_only_for_unchanged_records(tmp_path: Path, tiny_target_dir: Path) -> None:

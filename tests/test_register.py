@@ -390,7 +390,13 @@ def test_the_recommended_serving_setting_travels_in_the_contract_and_a_tag() -> 
         {"num_speculative_tokens": 2, "mean_accept_length": 1.6, "speedup": [{"concurrency": 1, "output_tokens_per_s": 1.3}],
          "predicted_speedup": 1.25}])
     assert json.loads(register.recommended_serving(report)) == {"vllm": {"num_speculative_tokens": 2, "speedup": 1.3}}
+    flags = {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 2}}
+    report["engines"]["vllm"]["serving_setting"] = {"steps": 2, "topk": 1, "num_draft_tokens": 3, "label": "k2",
+                                                    "flags": flags}
+    assert json.loads(register.recommended_serving(report)) == {"vllm": {
+        "num_speculative_tokens": 2, "steps": 2, "topk": 1, "num_draft_tokens": 3, "flags": flags, "speedup": 1.3}}
     summary = register.serving_summary(report)["engines"]["vllm"]
     assert summary["recommended_num_speculative_tokens"] == 2 and [row["num_speculative_tokens"]
                                                                    for row in summary["sweep"]] == [1, 2]
+    assert summary["recommended_setting"]["flags"] == flags
     assert register.recommended_serving(None) == "not measured"

@@ -29,6 +29,7 @@ class GenerationReply:
 
 class Generator(Protocol):
     backend: str
+    streams_records: bool   # True: also has `client()` and async `generate_one(client, request)`
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationReply]:
         """Answer every request (errors are replies with `error` set, never exceptions)."""

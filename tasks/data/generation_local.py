@@ -16,6 +16,7 @@ from tasks.data.generation import GenerationReply, GenerationRequest
 
 class LocalGenerator:
     backend = "local"
+    streams_records = False
 
     def __init__(self, target_dir: Path, settings: RegenerationConfig, dtype: str = "float32") -> None:
         from models.target_loading import load_target

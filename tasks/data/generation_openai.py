@@ -1,6 +1,8 @@
 """The OpenAI-compatible backend: any `/v1/chat/completions` server (SGLang on GPU, vLLM's CPU build here).
 
-Requests run concurrently up to a limit. Transient failures (429, 5xx, connection errors, timeouts) are
+Requests run concurrently up to a limit. `generate` answers a list at once (a round of turns); the
+regenerate stage instead streams records through `generate_one`, so each record's next turn is sent the
+moment its previous one returns and the engine's batch never drains between rounds. Transient failures (429, 5xx, connection errors, timeouts) are
 retried with exponential backoff; a 4xx bad request is not retried, since sending it again cannot help.
 """
 
@@ -21,6 +23,7 @@ TRANSIENT_ERRORS = (httpx.TransportError, httpx.TimeoutException)
 
 class OpenAIGenerator:
     backend = "openai"
+    streams_records = True
 
     def __init__(self, base_url: str, settings: RegenerationConfig, model: Optional[str] = None) -> None:
         self.base_url = base_url.rstrip("/")
@@ -39,14 +42,18 @@ class OpenAIGenerator:
 
     async def generate_all(self, requests: list[GenerationRequest]) -> list[GenerationReply]:
         limit = asyncio.Semaphore(self.settings.concurrency)
-        timeout = httpx.Timeout(self.settings.request_timeout_s)
-        async with httpx.AsyncClient(timeout=timeout) as client:
+        async with self.client() as client:
 
             async def one(request: GenerationRequest) -> GenerationReply:
                 async with limit:
                     return await self.generate_one(client, request)
 
             return list(await asyncio.gather(*(one(request) for request in requests)))
+
+    def client(self) -> httpx.AsyncClient:
+        """One connection pool for a stage's requests (`generate_one` takes it)."""
+        limits = httpx.Limits(max_connections=self.settings.concurrency + 4)
+        return httpx.AsyncClient(timeout=httpx.Timeout(self.settings.request_timeout_s), limits=limits)
 
     def payload(self, request: GenerationRequest) -> dict[str, Any]:
         return {

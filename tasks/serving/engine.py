@@ -28,6 +28,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Literal, Optional
 
 EngineKind = Literal["vllm", "sglang"]
@@ -73,6 +74,8 @@ class EngineLaunch:
     log_path: Path
     draft: Optional[Path] = None
     num_speculative_tokens: int = 3
+    topk: int = 1                    # > 1: an SGLang draft tree (vLLM drafts chains only)
+    num_draft_tokens: Optional[int] = None   # SGLang: tokens verified per round (None: steps + 1 for a chain)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
@@ -88,6 +91,8 @@ class EngineLaunch:
         log_path: Path,
         draft: Optional[Path] = None,
         num_speculative_tokens: int = 3,
+        topk: int = 1,
+        num_draft_tokens: Optional[int] = None,
         served_model_name: str = "target",
     ) -> "EngineLaunch":
         """Build a launch from a `contract.config.EngineConfig` (python, port, extra_args, env, startup_timeout_s)."""
@@ -99,6 +104,8 @@ class EngineLaunch:
             log_path=Path(log_path),
             draft=Path(draft) if draft is not None else None,
             num_speculative_tokens=num_speculative_tokens,
+            topk=topk,
+            num_draft_tokens=num_draft_tokens,
             extra_args=list(engine.extra_args),
             env=dict(engine.env),
             startup_timeout_s=engine.startup_timeout_s,
@@ -116,6 +123,8 @@ def engine_command(launch: EngineLaunch) -> list[str]:
     n = launch.num_speculative_tokens
     if n < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {n}")
+    if launch.draft is not None and launch.topk > 1 and launch.kind == "vllm":
+        raise ValueError(f"vLLM's EAGLE3 drafts a chain (topk 1); topk {launch.topk} is an SGLang draft tree")
     if launch.kind == "vllm":
         command = [
             launch.python, "-m", "vllm.entrypoints.openai.api_server",
@@ -143,8 +152,8 @@ def engine_command(launch: EngineLaunch) -> list[str]:
                 "--speculative-algorithm", "EAGLE3",
                 "--speculative-draft-model-path", str(launch.draft),
                 "--speculative-num-steps", str(n),
-                "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(n + 1),
+                "--speculative-eagle-topk", str(launch.topk),
+                "--speculative-num-draft-tokens", str(launch.num_draft_tokens or n + 1),
             ]  # fmt: skip
     else:
         raise ValueError(f"unknown engine kind {launch.kind!r}; expected 'vllm' or 'sglang'")
@@ -450,3 +459,29 @@ def serve(launch: EngineLaunch) -> Iterator[RunningEngine]:
         yield engine
     finally:
         engine.stop()
+
+
+@contextmanager
+def serve_together(launches: list[EngineLaunch]) -> Iterator[list[tuple[RunningEngine, float]]]:
+    """Start several engines at once (each start is mostly imports in its own processes, so they overlap), yield
+    (engine, seconds until it was ready) in launch order, and always stop every one that started. When one
+    fails to start, the others are stopped and its EngineStartError is raised."""
+    def timed_start(launch: EngineLaunch) -> tuple[RunningEngine, float]:
+        started = time.monotonic()
+        return start_engine(launch), time.monotonic() - started
+
+    ready: list[tuple[RunningEngine, float]] = []
+    problems: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=max(1, len(launches))) as pool:
+        for future in [pool.submit(timed_start, launch) for launch in launches]:
+            try:
+                ready.append(future.result())
+            except BaseException as problem:  # every start is waited for, so none is left running unowned
+                problems.append(problem)
+    try:
+        if problems:
+            raise problems[0]
+        yield ready
+    finally:
+        for engine, _ in ready:
+            engine.stop()

@@ -8,6 +8,9 @@ k drafted tokens yields `1 + sum(acceptance_by_depth[:k])` tokens (the bonus tok
 
     predicted speedup(k) = (1 + sum_{d<=k} a_d) / (verify_s + k * draft_s) / target_tokens_per_s
 
+A tree (SGLang's topk > 1) is predicted only where the evaluate stage decoded that very tree: its measured
+tokens per round over its measured seconds per round, against the target alone.
+
 The times come from the reference decoder (HF transformers), not from the engine, so the prediction ranks
 settings rather than promising an engine's number; the benchmark stage reports it beside the measured one.
 """
@@ -15,6 +18,8 @@ settings rather than promising an engine's number; the benchmark stage reports i
 from __future__ import annotations
 
 from typing import Any, Optional
+
+from tasks.serving.serving_setting import ServingSetting, matching_offline_mode
 
 
 def step_times(chain: dict[str, Any]) -> tuple[float, float]:
@@ -40,3 +45,15 @@ def predicted_speedup(acceptance: dict[str, Any], num_speculative_tokens: int) -
         return None
     tokens_per_round = 1.0 + sum(by_depth[:num_speculative_tokens])
     return tokens_per_round / round_s / target_rate
+
+
+def predicted_setting_speedup(acceptance: dict[str, Any], setting: ServingSetting) -> Optional[float]:
+    """A chain from the chain profile; a tree from the offline tree run of the same setting (None without one)."""
+    if setting.is_chain:
+        return predicted_speedup(acceptance, setting.steps)
+    tree = matching_offline_mode(acceptance, setting)
+    target_rate = (acceptance.get("target") or {}).get("tokens_per_second") or 0.0
+    if tree is None or not tree.get("rounds") or target_rate <= 0:
+        return None
+    round_s = (tree["verify_seconds"] + tree["draft_seconds"]) / tree["rounds"]
+    return tree["mean_accept_length"] / round_s / target_rate if round_s > 0 else None

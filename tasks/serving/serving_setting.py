@@ -1,0 +1,65 @@
+"""How an engine drafts with the eaglet: the settings the benchmark sweeps and the registry recommends.
+
+A chain drafts `steps` tokens one after the other and verifies `steps + 1` (vLLM's `num_speculative_tokens`,
+SGLang's `--speculative-num-steps S --speculative-eagle-topk 1 --speculative-num-draft-tokens S+1`). A tree
+(SGLang only) keeps `topk` branches per draft step and verifies the best `num_draft_tokens` of them: more
+tokens checked per target forward, for a larger verify batch. Which one pays depends on the drafter's
+acceptance and on the engine's step times, so the benchmark measures each on the live engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ServingSetting:
+    steps: int
+    topk: int = 1
+    num_draft_tokens: int = 0   # 0: a chain's steps + 1
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.topk < 1:
+            raise ValueError(f"a serving setting needs steps >= 1 and topk >= 1, got {self.as_dict()}")
+        if self.num_draft_tokens == 0:
+            object.__setattr__(self, "num_draft_tokens", self.steps + 1 if self.topk == 1 else self.steps * self.topk + 1)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def label(self) -> str:
+        """`k<steps>` for a chain (the metric names users know from vLLM), `s<S>-t<K>-n<N>` for a tree."""
+        if self.is_chain:
+            return f"k{self.steps}"
+        return f"s{self.steps}-t{self.topk}-n{self.num_draft_tokens}"
+
+    def as_dict(self) -> dict[str, int]:
+        return {"steps": self.steps, "topk": self.topk, "num_draft_tokens": self.num_draft_tokens}
+
+    def engine_flags(self, kind: str) -> dict[str, Any]:
+        """What to pass to the engine to serve this setting (recorded with the recommendation)."""
+        if kind == "vllm":
+            return {"speculative_config": {"method": "eagle3", "num_speculative_tokens": self.steps}}
+        return {"--speculative-num-steps": self.steps, "--speculative-eagle-topk": self.topk,
+                "--speculative-num-draft-tokens": self.num_draft_tokens}
+
+
+def serving_sweep(kind: str, chains: list[int], trees: list[Any], default_steps: int) -> list[ServingSetting]:
+    """The settings one engine serves: the chains (default: the offline evaluation's), then on SGLang the trees."""
+    sweep = [ServingSetting(steps) for steps in (chains or [default_steps])]
+    if kind == "sglang":
+        for tree in trees:
+            setting = ServingSetting(tree.steps, tree.topk, tree.num_draft_tokens or 0)
+            if setting not in sweep:
+                sweep.append(setting)
+    return sweep
+
+
+def matching_offline_mode(acceptance: dict[str, Any], setting: ServingSetting) -> Optional[dict[str, Any]]:
+    """The evaluate stage's tree result when it decoded exactly this tree setting."""
+    tree = acceptance.get("tree") or {}
+    measured = (tree.get("steps"), tree.get("topk"), tree.get("num_draft_tokens"))
+    return tree if measured == (setting.steps, setting.topk, setting.num_draft_tokens) else None
