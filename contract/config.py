@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -102,6 +102,11 @@ class RegenerationConfig(Section):
     backoff_initial_s: float = Field(default=1.0, gt=0.0)
     backoff_max_s: float = Field(default=30.0, gt=0.0)
     chunk_records: int = Field(default=16, ge=1)
+    engine_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="added to runtime.engines.<engine>.env for the engine this stage starts, e.g. all CPU cores for "
+        "vLLM's CPU build (VLLM_CPU_NUM_OF_RESERVED_CPU=0): the stage has the machine to itself, the benchmark's "
+        "resident engines do not")
     seed: int = 0
     supervise: Literal["all", "last"] = "all"
     reasoning: Literal["off", "save"] = "off"
@@ -293,6 +298,15 @@ class EngineConfig(Section):
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float = Field(default=600.0, gt=0.0)
 
+    @field_validator("env", mode="before")
+    @classmethod
+    def _numbers_as_strings(cls, value: Any) -> Any:
+        """`env.OMP_NUM_THREADS=2` reads 2 as a number; an environment holds strings."""
+        if not isinstance(value, dict):
+            return value
+        return {key: str(item) if isinstance(item, (int, float)) and not isinstance(item, bool) else item
+                for key, item in value.items()}
+
 
 def default_engines() -> dict[str, EngineConfig]:
     return {
@@ -307,6 +321,25 @@ class RuntimeConfig(Section):
     seed: int = 0
     cache_dir: Optional[str] = None
     engines: dict[Literal["vllm", "sglang"], EngineConfig] = Field(default_factory=default_engines)
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _merge_over_the_defaults(cls, value: Any) -> Any:
+        """`runtime.engines.vllm.port=8200` (or one `env` key) changes that field and keeps the rest of the
+        engine's defaults, and the other engines stay configured, as a partial YAML section would expect."""
+        if not isinstance(value, dict):
+            return value
+        merged: dict[Any, Any] = {kind: engine.model_dump() for kind, engine in default_engines().items()}
+        for kind, given in value.items():
+            if isinstance(given, EngineConfig):
+                given = given.model_dump()
+            base = merged.get(kind)
+            if isinstance(given, dict) and base is not None:
+                env = given.get("env", {})
+                merged[kind] = {**base, **given, "env": {**base["env"], **env} if isinstance(env, dict) else env}
+            else:
+                merged[kind] = given
+        return merged
 
 
 class RunConfig(Section):

@@ -123,7 +123,8 @@ def settings_fingerprint(params: GenerationParams, cfg: RunConfig) -> str:
     """Identifies the target and generation settings; a journal written under others is not resumed."""
     digest = hashlib.sha256()
     digest.update(params.model_dump_json().encode())
-    digest.update(cfg.regeneration.model_dump_json(exclude={"concurrency", "chunk_records", "batch_size"}).encode())
+    digest.update(cfg.regeneration.model_dump_json(exclude={"concurrency", "chunk_records", "batch_size",
+                                                            "engine_env"}).encode())
     return digest.hexdigest()
 
 
@@ -151,6 +152,7 @@ def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
         log_path = cfg.output_path / "logs" / f"regenerate-{settings.engine}.log"
         engine = cfg.runtime.engines[settings.engine]
         launch = EngineLaunch.from_config(settings.engine, engine, model=target_dir, log_path=log_path)
+        launch.env.update(settings.engine_env)
         base_url = stack.enter_context(serve(launch)).base_url
     return OpenAIGenerator(base_url, settings)
 

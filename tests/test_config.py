@@ -138,3 +138,16 @@ def test_yaml_12_booleans_so_dvc_rewritten_params_still_load(tmp_path) -> None:
     cfg = load_config(path, ["regeneration.supervise=last"])
     assert cfg.regeneration.reasoning == "off" and cfg.tracking.enabled is False
     assert load_config(path, ["regeneration.reasoning=save"]).regeneration.reasoning == "save"
+
+
+def test_an_engine_override_changes_one_field_and_keeps_the_engines_defaults(tmp_path: Path) -> None:
+    cfg = load_config(None, ["runtime.engines.vllm.port=8200", "runtime.engines.vllm.env.OMP_NUM_THREADS=2"])
+    vllm = cfg.runtime.engines["vllm"]
+    assert vllm.port == 8200 and vllm.python == ".venv-vllm/bin/python"
+    assert vllm.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "2"}
+    assert cfg.runtime.engines["sglang"].python == ".venv-sglang/bin/python", "the other engine is still configured"
+    partial = tmp_path / "run.yaml"
+    partial.write_text("runtime:\n  engines:\n    sglang:\n      port: 31000\n")
+    from_file = load_config(partial)
+    assert from_file.runtime.engines["sglang"].port == 31000 and from_file.runtime.engines["vllm"].port == 8100
+    assert RunConfig.model_validate(from_file.model_dump(mode="json")) == from_file, "a dumped config reads back as is"

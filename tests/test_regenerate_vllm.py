@@ -37,7 +37,8 @@ def complete_text(text: str | None) -> str | None:
 
 def test_stage_starts_vllm_and_matches_the_local_backend(tmp_path: Path, tiny_target_dir: Path) -> None:
     port = free_port()
-    served = prepare_run(tmp_path / "vllm", tiny_target_dir, SINGLE_TURN, backend="openai", engine="vllm", concurrency=4)
+    served = prepare_run(tmp_path / "vllm", tiny_target_dir, SINGLE_TURN, backend="openai", engine="vllm", concurrency=4,
+                         engine_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
     served.runtime.engines["vllm"].port = port
     result = regenerate.run(served)
     local = regenerate.run(prepare_run(tmp_path / "local", tiny_target_dir, SINGLE_TURN))
@@ -52,6 +53,7 @@ def test_stage_starts_vllm_and_matches_the_local_backend(tmp_path: Path, tiny_ta
     assert remote_records["chats:a"].generation.backend == "openai:vllm"
     log = (served.output_path / "logs" / "regenerate-vllm.log").read_text()
     assert "vllm.entrypoints.openai.api_server" in log
+    assert "reserved_cpus=[]" in log, "regeneration.engine_env reached the engine (no core held back)"
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1)
 

@@ -153,3 +153,36 @@ def test_the_probe_sees_what_sglang_skips_silently(reports: dict[str, Any]) -> N
     assert gate_up["nan_left"] == 96 * 64, "the up half of gate_up_proj is never written"
     problems = "\n".join(broken["problems"])
     assert "midlayer.mlp.upproj.weight" in problems and "gate_up_proj" in problems and "never written" in problems
+
+
+PARSE_SCRIPT = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+args = parser.parse_args(json.loads(sys.argv[1]))
+names = ("model_path", "host", "port", "speculative_algorithm", "speculative_draft_model_path",
+         "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "enable_metrics")
+print(json.dumps({name: getattr(args, name) for name in names}))
+"""
+
+
+@pytest.mark.parametrize("steps, topk, num_draft_tokens", [(3, 1, None), (6, 10, 32)])
+def test_sglang_parses_our_serving_commands_as_meant(tmp_path: Path, steps: int, topk: int,
+                                                     num_draft_tokens: int | None) -> None:
+    """The benchmark's SGLang argv (a chain and a draft tree) through SGLang's own CLI parser: every flag exists
+    and lands in the ServerArgs field we mean, with our value (serving needs a GPU; parsing does not)."""
+    from tasks.serving.engine import EngineLaunch, engine_command
+
+    launch = EngineLaunch(kind="sglang", model=tmp_path / "target", python="python", port=30001,
+                          log_path=tmp_path / "log", draft=tmp_path / "draft", num_speculative_tokens=steps,
+                          topk=topk, num_draft_tokens=num_draft_tokens)
+    argv = engine_command(launch)[3:]  # after `python -m sglang.launch_server`
+    done = subprocess.run([str(sglang_python()), "-c", PARSE_SCRIPT, json.dumps(argv)], capture_output=True,
+                          text=True, timeout=PROBE_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parsed == {"model_path": str(tmp_path / "target"), "host": "127.0.0.1", "port": 30001,
+                      "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(tmp_path / "draft"),
+                      "speculative_num_steps": steps, "speculative_eagle_topk": topk,
+                      "speculative_num_draft_tokens": num_draft_tokens or steps + 1, "enable_metrics": True}
