@@ -1,7 +1,7 @@
 """Regeneration schedules on one live engine: rounds (turn k of a chunk together) vs streaming records.
 
     .venv/bin/python benchmarks/regenerate_schedules.py --config params.yaml [--records 48] [--rounds 2] \
-        [--concurrency 16 32] [--schedules rounds stream] [--engine-env VLLM_CPU_OMP_THREADS_BIND=0-1 ...]
+        [--concurrency 16 32] [--schedules rounds stream] [--engine-env KEY=VALUE ...]
 
 Reads a run that has been through `target` and `ingest` (its `data/prompts.jsonl`, multi-turn records as the
 stage sends them). Starts the regeneration engine of the config once (`regeneration.engine`, with
@@ -28,10 +28,11 @@ from typing import Any
 
 from contract.config import RunConfig
 from contract.config_loading import load_config
+from regenerate_backends import spread
 from tasks import regenerate
 from tasks.common.artifacts import read_json, write_json
 from tasks.data.generation_openai import OpenAIGenerator
-from tasks.serving.engine import EngineLaunch, serve
+from tasks.serving.engine import serve
 
 
 def with_concurrency(cfg: RunConfig, concurrency: int) -> RunConfig:
@@ -61,10 +62,6 @@ def regenerate_once(cfg: RunConfig, schedule: str, base_url: str, todo: list[tup
     return stats["completion_tokens"] / seconds, entries
 
 
-def spread(rates: list[float]) -> str:
-    return f"median {statistics.median(rates):6.1f} tok/s (min {min(rates):.1f}, max {max(rates):.1f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True)
@@ -82,9 +79,7 @@ def main() -> None:
     out = cfg.output_path
     todo = regenerate.read_prompts(out / "data" / "prompts.jsonl")[:args.records]
     params = regenerate.generation_params(cfg, read_json(out / "target.json"))
-    engine_cfg = cfg.runtime.engines[settings.engine]
-    launch = EngineLaunch.from_config(settings.engine, engine_cfg, model=out / "target",
-                                      log_path=out / "logs" / "regenerate-schedules.log")
+    launch = regenerate.regeneration_launch(cfg, out / "logs" / "regenerate-schedules.log")
     launch.env.update(item.split("=", 1) for item in args.engine_env)
     variants = [(schedule, concurrency) for concurrency in args.concurrency for schedule in args.schedules]
     rates: dict[str, list[float]] = {f"{schedule}@{c}": [] for schedule, c in variants}

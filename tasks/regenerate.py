@@ -147,14 +147,22 @@ def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
 
     base_url = settings.base_url
     if base_url is None:
-        from tasks.serving.engine import EngineLaunch, serve
+        from tasks.serving.engine import serve
 
         log_path = cfg.output_path / "logs" / f"regenerate-{settings.engine}.log"
-        engine = cfg.runtime.engines[settings.engine]
-        launch = EngineLaunch.from_config(settings.engine, engine, model=target_dir, log_path=log_path)
-        launch.env.update(settings.engine_env)
-        base_url = stack.enter_context(serve(launch)).base_url
+        base_url = stack.enter_context(serve(regeneration_launch(cfg, log_path))).base_url
     return OpenAIGenerator(base_url, settings)
+
+
+def regeneration_launch(cfg: RunConfig, log_path: Path):
+    """The engine this stage starts: runtime.engines.<regeneration.engine> plus `regeneration.engine_env`."""
+    from tasks.serving.engine import EngineLaunch
+
+    settings = cfg.regeneration
+    launch = EngineLaunch.from_config(settings.engine, cfg.runtime.engines[settings.engine],
+                                      model=cfg.output_path / "target", log_path=log_path)
+    launch.env.update(settings.engine_env)
+    return launch
 
 
 def chunks(items: list[Any], size: int) -> list[list[Any]]:
