@@ -186,13 +186,21 @@ class TrainingConfig(Section):
     save_interval: int = Field(default=100, ge=1)
     eval_interval: int = Field(default=100, ge=1)
     keep_last: int = Field(default=2, ge=1)
-    resume_from: Optional[str] = Field(default=None, description="'latest' or a checkpoint directory")
+    resume_from: str = Field(
+        default="auto", description="auto (or latest): continue the newest checkpoint when its math fields match, "
+        "refuse when they differ; none: start over, setting the old run aside; or a checkpoint directory")
     halt_after: Optional[int] = Field(
         default=None, ge=1, description="stop this invocation after N steps, as a preemption would (resume continues)"
     )
     attention_backend: Literal["sdpa", "flash_attn"] = "sdpa"
     precision: Literal["auto", "fp32", "bf16"] = Field(
         default="auto", description="auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU")
+
+    @field_validator("resume_from", mode="before")
+    @classmethod
+    def null_means_none(cls, value: Any) -> Any:
+        """`resume_from: null` (the field's meaning in older configs) is `none`: start over."""
+        return "none" if value is None else value
 
 
 class EvaluationConfig(Section):

@@ -74,7 +74,8 @@ def run(cfg: RunConfig) -> CaptureResult:
     kept, todo = [], []
     for plan in plans:
         (kept if shard_is_current(plan, inputs.fingerprint, cfg.capture.mode) else todo).append(plan)
-    remove_stale_files(features_dir, plans)
+    if not online:  # online writes no shard: an offline run's shards stay for a switch back
+        remove_stale_files(features_dir, plans)
 
     manifest_path = features_dir / "manifest.json"
     hashes = {plan.path: file_sha256(plan.path) for plan in kept}

@@ -5,7 +5,8 @@ features the target computes in this process per batch (online).
     two ranks:    eaglet stage train --config params.yaml deployment.trainer.nproc_per_node=2
                   (eaglet itself runs: python -m torch.distributed.run --standalone --nproc_per_node 2
                    -m tasks.train --config <output_dir>/train/launch.yaml)
-    resume:       eaglet stage train --config params.yaml training.resume_from=latest
+    resume:       the default (training.resume_from: auto) continues the newest checkpoint of a matching run;
+                  training.resume_from=none starts over (the old run is set aside, never deleted)
 
     online:       eaglet stage train --config params.yaml training.mode=online
     FSDP2:        ... deployment.trainer.nproc_per_node=2 deployment.trainer.strategy=fsdp
@@ -25,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -48,8 +48,9 @@ from tasks.common.artifacts import read_json, write_json
 from tasks.common.devices import autocast, compute_dtype, resolve_device
 from tasks.features.batches import collate
 from tasks.features.shards import FeatureSet, check_manifest
-from tasks.training.checkpoint import (TrainerState, check_resumable, find_checkpoint, load_checkpoint, math_fields,
-                                       prune_checkpoints, record_best, rng_state, save_checkpoint)
+from tasks.training.checkpoint import (TrainerState, load_checkpoint, math_fields, prune_checkpoints, record_best,
+                                       resume_point, rng_state, save_checkpoint)
+from tasks.training.previous_run import cut_step_log, replay_step_metrics, set_aside
 from tasks.training.batch_plan import Cursor, epoch_batches, optimizer_steps, rank_share
 from tasks.training.parallel import (Distributed, full_draft_weights, full_optimizer_state, gradient_sync,
                                      load_full_state, parallelise, setup_distributed)
@@ -215,19 +216,22 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     dtype = compute_dtype(cfg.training.precision, env.device)
     math_now = math_fields(cfg, env.world_size, manifest.get("fingerprint", ""), str(dtype).removeprefix("torch."))
     state = TrainerState(step=0, cursor=Cursor(), math=math_now, scheduler={}, eval_metrics={})
-    checkpoint = find_checkpoint(cfg.output_path / "checkpoints", cfg.training.resume_from)
+    checkpoint = resume_point(cfg.output_path / "checkpoints", cfg.training.resume_from, math_now)
     if checkpoint is None:
         start_fresh(cfg, env)
     else:
-        check_resumable(read_json(checkpoint / "trainer_state.json")["math"], math_now, checkpoint)
         loaded = load_checkpoint(checkpoint, env.rank)
         load_full_state(module, optimizer, loaded.weights, loaded.optimizer_state)
         state = loaded.state
         scheduler.load_state_dict(state.scheduler)
+    kept_steps = cut_step_log(cfg.output_path, state.step) if env.is_main and state.step else []
+    env.barrier()
     loop = Loop(cfg, env, draft, full_draft, module, optimizer, scheduler, train_set, eval_set, heads, manifest, dtype, lengths,
                 record_ids, total_steps, math_now, state)
     with training_tracker(cfg, env) as tracker:
         loop.tracker = tracker
+        if tracker is not None:
+            replay_step_metrics(tracker, kept_steps)
         before = evaluate(loop) if state.step == 0 else {}
         run_steps(loop, plans)
         return finish(loop, before)
@@ -247,14 +251,12 @@ def open_features(cfg: RunConfig) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def start_fresh(cfg: RunConfig, env: Distributed) -> None:
-    """A run that does not resume replaces the previous run's checkpoints, step log and exports."""
+    """A run that starts over sets the previous run's checkpoints, step log and exports aside (never deletes them)."""
     if env.is_main:
-        for name in ("checkpoints", "train/steps.jsonl", "train/summary.json", "draft"):
-            path = cfg.output_path / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+        folder = set_aside(cfg.output_path)
+        if folder is not None:
+            print(f"[train] starting over (training.resume_from={cfg.training.resume_from}): the previous run's "
+                  f"checkpoints, step log and exports moved to {folder}", flush=True)
     env.barrier()
 
 

@@ -80,6 +80,7 @@ def test_dvc_repro_runs_the_stages(tmp_path: Path, tiny_target_dir: Path) -> Non
     assert "validate" in status and "regenerate" not in status and "ingest" not in status, status
 
     params["data"]["sources"][1]["limit"] = 5
+    params["training"]["resume_from"] = "none"  # other data: start over (the default, auto, refuses other math)
     write_params(repo, params)
     status = dvc("status", cwd=repo)
     assert "ingest" in status and "target" not in status, status

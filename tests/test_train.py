@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,92 @@ def test_a_frozen_lm_head_stays_the_targets_rows(base_run, tmp_path: Path) -> No
                                                                                  "resume_from": "latest"})})
     with pytest.raises(ResumeRefused, match="training.freeze_lm_head"):
         train.run(changed)
+
+
+def test_a_rerun_continues_by_default_and_a_math_change_keeps_the_checkpoints(base_run, tmp_path: Path) -> None:
+    """`training.resume_from: auto`: a rerun (here with another eval interval) continues the finished run instead
+    of deleting it; a run with other math is refused naming the field and the ways on, and deletes nothing;
+    `resume_from: none` starts over after moving the old run to checkpoints.superseded-<time>/."""
+    cfg = fresh(base_run, tmp_path, "auto", max_steps=4)
+    train.run(cfg)
+    step_log = (cfg.output_path / "train" / "steps.jsonl").read_text()
+    checkpoints = sorted(path.name for path in (cfg.output_path / "checkpoints").iterdir())
+    rerun = cfg.model_copy(update={"training": cfg.training.model_copy(update={"eval_interval": 3})})
+    assert train.run(rerun).values["complete"]
+    assert (cfg.output_path / "train" / "steps.jsonl").read_text() == step_log, "no step was trained again"
+
+    other_math = cfg.model_copy(update={"training": cfg.training.model_copy(update={"learning_rate": 1e-3})})
+    with pytest.raises(ResumeRefused, match=r"(?s)training.learning_rate: checkpoint 0.003, run 0.001.*resume_from=none"):
+        train.run(other_math)
+    assert sorted(path.name for path in (cfg.output_path / "checkpoints").iterdir()) == checkpoints
+    assert not list(cfg.output_path.glob("checkpoints.superseded-*"))
+
+    over = other_math.model_copy(update={"training": other_math.training.model_copy(update={"resume_from": "none"})})
+    assert train.run(over).values["complete"]
+    superseded = list(cfg.output_path.glob("checkpoints.superseded-*"))
+    assert len(superseded) == 1
+    assert sorted(path.name for path in (superseded[0] / "checkpoints").iterdir()) == checkpoints
+    assert (superseded[0] / "steps.jsonl").read_text() == step_log
+    assert (superseded[0] / "draft" / "sglang" / "model.safetensors").is_file()
+    assert len(losses(over)) == 4, "the new run's log holds only its own steps"
+
+
+def test_a_killed_run_resumes_without_repeating_steps_in_the_log_or_in_mlflow(base_run, tmp_path: Path,
+                                                                             mlflow_uri: str) -> None:
+    """Steps logged after the last checkpoint (a kill before the next save) are trained again on resume: the step
+    log is cut back to the checkpoint, and the resumed MLflow run holds every step exactly once."""
+    import mlflow
+
+    cfg = fresh(base_run, tmp_path, "killed", save_interval=2, halt_after=3, max_steps=6)
+    cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"enabled": True, "tracking_uri": mlflow_uri})})
+    train.run(cfg)
+    shutil.rmtree(cfg.output_path / "checkpoints" / "step-00000003")  # killed after logging step 3, before saving it
+    assert list(losses(cfg)) == [1, 2, 3]
+    resumed = train.run(cfg.model_copy(update={"training": cfg.training.model_copy(update={"halt_after": None})}))
+    assert resumed.values["complete"] and resumed.values["steps"] == 6
+    rows = [json.loads(line)["step"] for line in (cfg.output_path / "train" / "steps.jsonl").read_text().splitlines()]
+    assert rows == [1, 2, 3, 4, 5, 6]
+    client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+    runs = client.search_runs([experiment.experiment_id], "tags.`eaglet.stage` = 'train'", order_by=["attribute.start_time DESC"])
+    history = client.get_metric_history(runs[0].info.run_id, "train.loss")
+    assert sorted(metric.step for metric in history) == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_engine_exports_are_replaced_together_or_not_at_all(base_run, tmp_path: Path, monkeypatch) -> None:
+    """A failure while writing the second engine's export leaves both previous exports as they were."""
+    import models.draft_checkpoint as draft_checkpoint
+    from models.target_heads import load_target_heads
+    from tasks.training.outputs import export
+
+    cfg = fresh(base_run, tmp_path, "exports", max_steps=2)
+    train.run(cfg)
+    exported = {engine: weights(cfg, engine) for engine in ("sglang", "vllm")}
+    manifest = json.loads((cfg.output_path / "features" / "manifest.json").read_text())
+    untrained = train.build_draft(cfg, load_target_heads(cfg.output_path / "target"), manifest, torch.device("cpu"))
+    real_save = draft_checkpoint.save_pretrained
+
+    def disk_full_on_vllm(draft, directory, contract, num_target_layers, engine=None, **options):
+        if engine == "vllm":
+            raise OSError("No space left on device")
+        return real_save(draft, directory, contract, num_target_layers, engine=engine, **options)
+
+    monkeypatch.setattr(draft_checkpoint, "save_pretrained", disk_full_on_vllm)
+    with pytest.raises(OSError, match="No space left"):
+        export(cfg, untrained, manifest, 0, 1, {}, "float32")
+    for engine, before in exported.items():
+        after = weights(cfg, engine)
+        assert all(torch.equal(before[name], after[name]) for name in before), engine
+    assert not [path.name for path in cfg.output_path.iterdir() if path.name.startswith(".draft")]
+
+
+def test_switching_to_online_training_keeps_the_offline_shards(base_run, tmp_path: Path) -> None:
+    from tasks import capture
+
+    cfg = fresh(base_run, tmp_path, "modes")
+    shards = sorted(path.name for path in (cfg.output_path / "features" / "train").glob("shard-*"))
+    online = cfg.model_copy(update={"training": cfg.training.model_copy(update={"mode": "online"})})
+    capture.run(online)
+    assert sorted(path.name for path in (cfg.output_path / "features" / "train").glob("shard-*")) == shards
+    back = capture.run(cfg)
+    assert back.shards_written == [] and len(back.shards_kept) >= len(shards)

@@ -14,7 +14,7 @@ from models.ttt import causal_plus_diagonal_attention, check_attention_backend
 from tasks import train
 from tasks.features.batches import collate
 from tasks.features.shards import FeatureSet
-from tasks.training.checkpoint import ResumeRefused, find_checkpoint
+from tasks.training.checkpoint import ResumeRefused, latest_checkpoint
 from training_run import captured_run, copy_run
 
 
@@ -62,7 +62,7 @@ def test_online_training_matches_offline_without_shards(base_run, tmp_path: Path
     assert close(losses(offline), losses(online)), (losses(offline), losses(online))
     for key in ("eval_acc_0", "eval_simulated_accept_len"):
         assert abs(offline_result.values[key] - online_result.values[key]) < 1e-5
-    saved = json.loads((find_checkpoint(online.output_path / "checkpoints", "latest") / "trainer_state.json").read_text())
+    saved = json.loads((latest_checkpoint(online.output_path / "checkpoints") / "trainer_state.json").read_text())
     assert saved["math"]["training.mode"] == "online"
     contract = json.loads((online.output_path / "draft" / "vllm" / "contract.json").read_text())
     assert contract["training"]["mode"] == "online" and contract["training"]["dtype"] == "float32"
@@ -108,7 +108,7 @@ def test_bf16_autocast_keeps_fp32_master_weights(base_run, tmp_path: Path) -> No
     cfg = fresh(base_run, tmp_path, "bf16", precision="bf16", max_steps=3)
     result = train.run(cfg)
     assert result.values["complete"] and all(torch.isfinite(torch.tensor(list(losses(cfg).values()))))
-    checkpoint = find_checkpoint(cfg.output_path / "checkpoints", "latest")
+    checkpoint = latest_checkpoint(cfg.output_path / "checkpoints")
     from safetensors.torch import load_file
 
     assert {value.dtype for name, value in load_file(str(checkpoint / "draft.safetensors")).items()

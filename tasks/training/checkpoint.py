@@ -3,7 +3,11 @@
 `checkpoints/step-00000N/` holds the draft weights, the optimizer and scheduler state, every rank's RNG
 states, the data cursor, the run config, and the `math` fields (everything that changes the numbers). A
 checkpoint is written under a temp name and renamed; the last `keep_last` are kept, plus the best by eval
-`simulated_accept_len`. Resuming with a different `math` field is refused, naming the field.
+`simulated_accept_len`. Resuming with a different `math` field is refused, naming the field; nothing is deleted
+for it (tasks/training/previous_run.py sets an old run aside only when asked to start over).
+
+`training.resume_from`: `auto` (default; `latest` is the same) continues the newest checkpoint when there is one,
+`none` starts over, a path continues that checkpoint.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contract.config import RunConfig
-from tasks.common.artifacts import atomic_directory
+from tasks.common.artifacts import atomic_directory, write_json
 from tasks.training.batch_plan import Cursor
 
 BEST_LINK = "best.json"
+RESUME_AUTO, RESUME_LATEST, RESUME_NONE = "auto", "latest", "none"
 
 
 class ResumeRefused(ValueError):
@@ -112,33 +117,55 @@ def load_checkpoint(directory: Path, rank: int) -> LoadedCheckpoint:
     return LoadedCheckpoint(TrainerState(**payload), weights, optimizer_state)
 
 
+def differing_math(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """One line per math field whose value differs between a checkpoint and this run."""
+    return [f"{name}: checkpoint {saved.get(name)!r}, run {value!r}" for name, value in wanted.items() if saved.get(name) != value]
+
+
 def check_resumable(saved: dict[str, Any], wanted: dict[str, Any], directory: Path) -> None:
-    differing = [f"{name}: checkpoint {saved.get(name)!r}, run {value!r}" for name, value in wanted.items() if saved.get(name) != value]
+    differing = differing_math(saved, wanted)
     if differing:
-        raise ResumeRefused(f"cannot resume from {directory}: it was trained with other settings:\n  - " + "\n  - ".join(differing))
+        raise ResumeRefused(
+            f"cannot resume from {directory}: it was trained with other settings:\n  - " + "\n  - ".join(differing)
+            + "\nIts checkpoints are kept. To train with the new settings, either set training.resume_from=none (the "
+            "old run's checkpoints, step log and exports move to checkpoints.superseded-<time>/ first) or give the "
+            "run its own output_dir (a new run_id).")
 
 
-def find_checkpoint(root: Path, resume_from: Optional[str]) -> Optional[Path]:
-    """`latest` -> the newest complete checkpoint (None if there is none); a path -> that checkpoint."""
-    if resume_from is None:
-        return None
-    if resume_from != "latest":
-        path = Path(resume_from)
-        if not (path / "trainer_state.json").is_file():
-            raise FileNotFoundError(f"training.resume_from '{resume_from}' is not a trainer checkpoint")
-        return path
-    candidates = sorted(path for path in root.glob("step-*") if (path / "trainer_state.json").is_file())
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoints under `root`, oldest first (a temp directory of a killed save is not one)."""
+    return sorted(path for path in root.glob("step-*") if (path / "trainer_state.json").is_file())
+
+
+def latest_checkpoint(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under `root` (None when there is none)."""
+    candidates = complete_checkpoints(root)
     return candidates[-1] if candidates else None
+
+
+def resume_point(root: Path, resume_from: str, wanted_math: dict[str, Any]) -> Optional[Path]:
+    """The checkpoint this run continues (None: start fresh); refuses one trained under other math."""
+    if resume_from == RESUME_NONE:
+        return None
+    if resume_from in (RESUME_AUTO, RESUME_LATEST):
+        checkpoint = latest_checkpoint(root)
+    else:
+        checkpoint = Path(resume_from)
+        if not (checkpoint / "trainer_state.json").is_file():
+            raise FileNotFoundError(f"training.resume_from '{resume_from}' is not a trainer checkpoint")
+    if checkpoint is not None:
+        check_resumable(json.loads((checkpoint / "trainer_state.json").read_text())["math"], wanted_math, checkpoint)
+    return checkpoint
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` checkpoints and the best one."""
     best = json.loads((root / BEST_LINK).read_text())["checkpoint"] if (root / BEST_LINK).is_file() else None
-    checkpoints = sorted(path for path in root.glob("step-*") if (path / "trainer_state.json").is_file())
-    for path in checkpoints[:-keep_last]:
+    for path in complete_checkpoints(root)[:-keep_last]:
         if path.name != best:
             shutil.rmtree(path)
 
 
 def record_best(root: Path, directory: Path, value: float) -> None:
-    (root / BEST_LINK).write_text(json.dumps({"checkpoint": directory.name, "simulated_accept_len": value}) + "\n")
+    """best.json names the best checkpoint; written atomically (pruning reads it to know what to keep)."""
+    write_json(root / BEST_LINK, {"checkpoint": directory.name, "simulated_accept_len": value})

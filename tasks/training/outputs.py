@@ -37,9 +37,9 @@ def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: 
         versions={"torch": torch.__version__}, evaluation=eval_metrics,
         data={"features_fingerprint": manifest.get("fingerprint"), "regeneration": cfg.regeneration.model_dump(mode="json")},
     )
-    for engine in ENGINES:
-        with atomic_directory(cfg.output_path / "draft" / engine) as staging:
-            save_pretrained(draft, staging, contract, info["num_hidden_layers"], engine=engine)
+    with atomic_directory(cfg.output_path / "draft") as staging:  # both engines' folders appear together or not at all
+        for engine in ENGINES:
+            save_pretrained(draft, staging / engine, contract, info["num_hidden_layers"], engine=engine)
 
 
 def plot_accuracy(metrics: dict[str, float], before: dict[str, float], path: Path) -> Optional[Path]:
