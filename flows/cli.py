@@ -2,6 +2,7 @@
 
     eaglet config show --config params.yaml training.learning_rate=3e-4
     eaglet config validate --config configs/llama31-8b-sglang.yaml
+    eaglet config sources --config params.yaml        # data/sources.json: the source files by content (DVC)
     eaglet stage target --config params.yaml          # one stage, no Prefect (what dvc.yaml calls)
     eaglet train --config params.yaml --resume         # the same, by the stage's own name
     eaglet run --config params.yaml                    # the Prefect flow over every stage (unchanged ones cached)
@@ -53,6 +54,22 @@ def config_validate(config: Optional[Path] = ConfigOption, overrides: Optional[l
     console.print(f"[green]ok[/green]: {config or '<defaults>'} is a valid run config (run_id {cfg.run_id})")
 
 
+@config_app.command("sources")
+def config_sources(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument) -> None:
+    """Write <output_dir>/data/sources.json: each data source's file by content (DVC's `sources` stage runs this
+    on every repro, so an edited source file reruns ingest)."""
+    from tasks.common.artifacts import write_json
+    from tasks.data.sources import source_fingerprints
+
+    cfg = load_or_exit(config, overrides)
+    fingerprints = source_fingerprints(cfg)
+    path = cfg.output_path / "data" / "sources.json"
+    write_json(path, fingerprints)
+    for name, fingerprint in fingerprints.items():
+        console.print(f"{name}: {fingerprint}", markup=False, highlight=False)
+    console.print(f"wrote {path}", markup=False, highlight=False)
+
+
 @app.command("stage")
 def stage(
     name: str = typer.Argument(..., help="Stage name (target, ingest, ...)."),
@@ -83,7 +100,8 @@ def stage(
 def train_command(
     config: Optional[Path] = ConfigOption,
     overrides: Optional[list[str]] = OverridesArgument,
-    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint (training.resume_from=latest)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint (training.resume_from=latest; "
+                                "the default, auto, does the same when one exists)."),
 ) -> None:
     """Train the drafter (torchrun when deployment.trainer.nproc_per_node > 1)."""
     stage("train", config, [*(overrides or []), *(["training.resume_from=latest"] if resume else [])])

@@ -1,8 +1,9 @@
 """The Prefect flow `eaglet-pipeline`: the stages in order, each a Prefect task, tracked in MLflow.
 
-Each stage's result is persisted under `<output_dir>/.prefect-results` and cached on the stage's inputs as
-dvc.yaml lists them (flows/stage_cache.py), so a rerun skips every stage whose inputs and outputs are
-unchanged (its task run ends in state "Cached") and DVC would agree it is up to date. Only failures a retry
+Each stage's result (its summary and report paths as plain JSON, flows/stage_records.py) is persisted under
+`<output_dir>/.prefect-results` and cached on the stage's inputs (flows/stage_cache.py), so a rerun skips
+every stage whose inputs and outputs are unchanged (its task run ends in state "Cached") and DVC would agree
+it is up to date. Only failures a retry
 can cure are retried: an engine that did not start, an HTTP server that refused or did not answer. A
 failure stops the flow with an error naming the stage; what the stages before it wrote stays on disk.
 """
@@ -22,7 +23,8 @@ from prefect.states import State
 from contract.config import RunConfig
 from contract.config_loading import load_config
 from flows.stage_cache import outputs_unchanged, record_outputs, results_dir, stage_cache_key
-from flows.stages import StageResult, select_stages, stage_function
+from flows.stage_records import JSON_SERIALIZER, StageRecord, recorded, set_aside_unsafe_record
+from flows.stages import select_stages, stage_function
 from flows.tracking import tracked_run
 from tasks.serving.engine import EngineStartError
 from tasks.data.generation_openai import RETRYABLE_STATUS
@@ -68,20 +70,22 @@ def stage_task(name: str, cfg: RunConfig, use_cache: bool = True) -> Any:
     """The Prefect task of one stage: cached on its inputs unless its outputs changed or caching is off."""
     reuse = use_cache and outputs_unchanged(name, cfg)
     return task(
-        stage_function(name),
+        recorded(stage_function(name)),
         name=name,
         cache_policy=StageInputs(stage=name),
         refresh_cache=not reuse,
         persist_result=True,
         result_storage=results_dir(cfg),
+        result_serializer=JSON_SERIALIZER,
         retries=STAGE_RETRIES,
         retry_delay_seconds=RETRY_DELAYS_S,
         retry_condition_fn=retry_transient_only,
     )
 
 
-def run_stage(name: str, cfg: RunConfig, use_cache: bool = True) -> StageResult:
+def run_stage(name: str, cfg: RunConfig, use_cache: bool = True) -> StageRecord:
     """Run (or reuse) one stage; raise StageFailed naming it when it fails."""
+    set_aside_unsafe_record(results_dir(cfg) / stage_cache_key(name, cfg))
     state = stage_task(name, cfg, use_cache)(cfg, return_state=True)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
@@ -89,7 +93,7 @@ def run_stage(name: str, cfg: RunConfig, use_cache: bool = True) -> StageResult:
             error = RuntimeError(state.message or state.name)
         raise StageFailed(name, error) from error
     record_outputs(name, cfg)
-    return state.result()
+    return StageRecord.from_json(state.result())
 
 
 @flow(name="eaglet-pipeline", log_prints=True)

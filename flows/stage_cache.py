@@ -1,7 +1,8 @@
 """What decides whether a stage must run again, read from dvc.yaml so that Prefect and DVC agree.
 
 A stage's cache key hashes its dvc.yaml `deps` (paths, `${output_dir}` resolved from the run config, files
-and directories hashed by content) and its `params` sections (values from the resolved RunConfig). A cached
+and directories hashed by content), the config fields it declares in flows/stages.py `STAGE_READS` (values from
+the resolved RunConfig; dvc.yaml's `params` list the same names) and, for ingest, the files `data.sources` names. A cached
 result is only reused while the stage's outputs (`outs`, `metrics`, `plots`) are still the ones it wrote:
 `record_outputs` stamps them after each run and `outputs_unchanged` compares (a missing file fails it).
 
@@ -23,7 +24,9 @@ import yaml
 
 from contract.config import RunConfig
 from contract.hashing import hash_file, hash_text
+from flows.stages import stage_reads
 from tasks.common.artifacts import read_json, write_json
+from tasks.data.sources import source_fingerprints
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DVC_FILE = REPO_ROOT / "dvc.yaml"
@@ -164,14 +167,17 @@ def digests(entries: Iterable[str], cfg: RunConfig, memo: HashMemo) -> dict[str,
 
 
 def stage_cache_key(name: str, cfg: RunConfig) -> str:
-    """The hash of everything dvc.yaml says stage `name` reads: deps by content, params by value."""
-    spec = stage_spec(name)
+    """The hash of everything stage `name` reads: its dvc.yaml deps by content, its declared config fields
+    (flows/stages.py STAGE_READS, which dvc.yaml's params mirror) by value, and for ingest the source files."""
+    spec, reads = stage_spec(name), stage_reads(name)
     memo = open_memo(cfg)
-    inputs = {
+    inputs: dict[str, Any] = {
         "stage": name,
         "deps": digests(spec.deps, cfg, memo),
-        "params": {param: param_value(cfg, param) for param in spec.params},
+        "params": {param: param_value(cfg, param) for param in reads.params},
     }
+    if reads.source_files:
+        inputs["source_files"] = source_fingerprints(cfg, memo.file_digest)
     memo.save()
     return hash_text(json.dumps(inputs, sort_keys=True))
 

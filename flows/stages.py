@@ -1,17 +1,53 @@
-"""The stages that exist, in pipeline order, and how to reach each one's `run(cfg)`.
+"""The stages that exist, in pipeline order, how to reach each one's `run(cfg)`, and what each one reads.
 
-The same names are used by the CLI (`eaglet stage NAME`), the Prefect flow and dvc.yaml.
+The same names are used by the CLI (`eaglet stage NAME`), the Prefect flow and dvc.yaml. `STAGE_READS` is the one
+place a stage declares the config fields it reads: the Prefect cache key hashes exactly these
+(flows/stage_cache.py), dvc.yaml's `params` must list exactly these (tests/test_pipeline.py checks, and prints the
+block to paste), and tests/test_stage_reads.py runs every stage with a config that records each field read and
+fails on one not declared here.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from contract.config import RunConfig
 
 STAGE_ORDER: tuple[str, ...] = ("target", "ingest", "regenerate", "validate", "capture", "train", "evaluate",
                                   "benchmark", "register")
+
+
+@dataclass(frozen=True)
+class StageReads:
+    """What a stage's result depends on besides its dvc.yaml file deps: config fields (a section name covers
+    all of its fields) and, for ingest, the content of the files `data.sources` names."""
+
+    params: tuple[str, ...]
+    source_files: bool = False
+
+
+#: Read by stages but not inputs of their results: where artifacts go (every path dvc.yaml lists hangs off
+#: output_dir), where metrics are logged, and how many CPU threads compute the same numbers.
+NOT_INPUTS: tuple[str, ...] = ("output_dir", "tracking", "runtime.threads")
+
+STAGE_READS: dict[str, StageReads] = {
+    "target": StageReads(("run_id", "model", "runtime.cache_dir")),
+    "ingest": StageReads(("data",), source_files=True),
+    "regenerate": StageReads(("regeneration", "model.dtype", "model.trust_remote_code", "runtime.device",
+                              "runtime.engines")),
+    "validate": StageReads(("validation", "regeneration", "run_id", "model.trust_remote_code")),
+    "capture": StageReads(("capture", "validation.max_length", "model.dtype", "model.trust_remote_code",
+                           "runtime.device", "training.mode")),
+    "train": StageReads(("training", "deployment", "capture.aux_layer_ids", "capture.draft_vocab_size",
+                         "capture.mode", "regeneration", "model.trust_remote_code", "runtime.device",
+                         "runtime.seed")),
+    "evaluate": StageReads(("evaluation", "validation.max_length", "model.dtype", "model.trust_remote_code",
+                            "runtime.device", "runtime.seed")),
+    "benchmark": StageReads(("benchmark", "evaluation", "registry.engine_tolerance", "runtime.engines")),
+    "register": StageReads(("registry", "tracking", "evaluation", "validation.max_length", "run_id")),
+}
 
 
 class StageResult(Protocol):
@@ -25,6 +61,13 @@ def stage_function(name: str) -> Callable[[RunConfig], StageResult]:
     if name not in STAGE_ORDER:
         raise KeyError(f"unknown stage '{name}'; stages: {', '.join(STAGE_ORDER)}")
     return importlib.import_module(f"tasks.{name}").run
+
+
+def stage_reads(name: str) -> StageReads:
+    """The declared reads of stage `name` (every stage has an entry: a missing one is a wiring error)."""
+    if name not in STAGE_READS:
+        raise KeyError(f"stage '{name}' declares no reads; add it to STAGE_READS in {__name__}")
+    return STAGE_READS[name]
 
 
 def select_stages(names: list[str] | None) -> list[str]:

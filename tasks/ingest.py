@@ -19,15 +19,11 @@ from pathlib import Path
 from contract.config import DataSource, RunConfig
 from contract.records import Outcome, PromptRecord, Provenance, StageReport
 from tasks.common.artifacts import write_json, write_jsonl
-from tasks.common.assets import ASSETS, asset_path
 from tasks.common.progress import advance, progress_bar
 from tasks.data.dedupe import conversation_key
 from tasks.data.formats import BadRecord, Normalised, normalise
 from tasks.data.input_files import iter_items
-
-ASSET_FORMATS = {"mtbench": "mtbench", "sharegpt-dummy": "sharegpt", "sharegpt-v3": "sharegpt", "humaneval": "humaneval",
-                 "chitchat": "chitchat"}
-
+from tasks.data.sources import source_file
 
 @dataclass
 class IngestResult:
@@ -70,17 +66,6 @@ def run(cfg: RunConfig) -> IngestResult:
     write_jsonl(prompts_path, records)
     write_json(report_path, report)
     return IngestResult(prompts_path, report_path, report)
-
-
-def source_file(source: DataSource) -> tuple[Path, str, str]:
-    """The file to read, the format to read it as, and the portable name provenance records."""
-    if source.asset is not None:
-        fmt = source.format if source.format != "auto" else ASSET_FORMATS[source.asset]
-        asset = ASSETS[source.asset]
-        portable = f"{asset.distribution}=={asset.version}:{asset.relative_path}"
-        return asset_path(source.asset), fmt, portable
-    path = Path(source.path or "").expanduser()
-    return path, source.format, str(path)
 
 
 @dataclass

@@ -20,8 +20,10 @@ from typing import Any, Iterator
 
 import pytest
 
+from config_reads import ConfigReads
 from contract.config import RunConfig
 from contract.records import PromptRecord
+from flows.stages import NOT_INPUTS, STAGE_READS
 from tasks import benchmark
 from tasks.serving import spec_counters
 from tasks.serving.engine import free_port, parse_prometheus
@@ -504,7 +506,9 @@ def test_vllm_serves_the_drafter_faithfully_and_the_report_says_so(drafted_run: 
     from tasks import evaluate
 
     offline = evaluate.run(cfg).report["chain"]["mean_accept_length"]  # our reference decoder, same prompts
-    result = benchmark.run(cfg)
+    with ConfigReads() as reads:  # a live engine: the reads tests/test_stage_reads.py cannot see without one
+        result = benchmark.run(cfg)
+    assert reads.undeclared(STAGE_READS["benchmark"].params, NOT_INPUTS) == [], "declare them in flows/stages.py"
 
     report = json.loads(result.report_path.read_text())
     assert report == json.loads(json.dumps(result.report)) and report["passed"] and report["failures"] == []

@@ -58,7 +58,8 @@ def test_dvc_repro_runs_the_stages(tmp_path: Path, tiny_target_dir: Path) -> Non
     assert (report["input"], report["ok"], report["error"]) == (84, 6, 1)
     assert (repo / "artifacts/tiny/target/model.safetensors").is_file()
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"target", "ingest", "regenerate", "validate", "capture", "train", "evaluate", "benchmark", "register"}
+    assert set(lock["stages"]) == {"target", "sources", "ingest", "regenerate", "validate", "capture", "train", "evaluate",
+                                   "benchmark", "register"}
     assert (repo / "artifacts/tiny/draft/vllm/config.json").is_file()
     assert (repo / "artifacts/tiny/features/manifest.json").is_file()
     contract = json.loads((repo / "artifacts/tiny/reports/data_contract.json").read_text())
@@ -70,7 +71,8 @@ def test_dvc_repro_runs_the_stages(tmp_path: Path, tiny_target_dir: Path) -> Non
     assert "data_contract.json" in dvc("metrics", "show", cwd=repo)
     assert lock["stages"]["target"]["params"]["params.yaml"]["model"]["source"] == "local"
 
-    assert "changed" not in dvc("status", cwd=repo)
+    unchanged = [line for line in dvc("status", cwd=repo).splitlines() if "changed" in line and "always changed" not in line]
+    assert unchanged == [], "only the sources stage (always run, cheap) reports itself"
     second = dvc("repro", cwd=repo)
     assert "didn't change" in second or "skipping" in second.lower()
 
@@ -89,6 +91,14 @@ def test_dvc_repro_runs_the_stages(tmp_path: Path, tiny_target_dir: Path) -> Non
     assert report["ok"] == 8
     regenerated = (repo / "artifacts/tiny/data/regenerate_report.json").read_text()
     assert json.loads(regenerated)["input"] == 8, "regenerate followed its changed input"
+
+    chats = repo / "inputs" / "chats.jsonl"
+    chats.write_text(chats.read_text() + json.dumps({"id": "c4", "messages": [
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]}) + "\n")
+    edited = dvc("repro", cwd=repo)
+    assert "Running stage 'ingest'" in edited, "an edited source file reruns ingest"
+    assert json.loads((repo / "artifacts/tiny/data/ingest_report.json").read_text())["ok"] == 9
+    assert json.loads((repo / "artifacts/tiny/data/regenerate_report.json").read_text())["input"] == 9
 
     commit_all(repo, "tiny run")
     dvc("exp", "run", "-S", "training.epochs=2", cwd=repo)  # one batch per epoch on this tiny run

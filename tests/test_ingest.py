@@ -22,7 +22,9 @@ from contract.config import RunConfig
 from contract.config_loading import load_config
 from contract.records import PromptRecord, StageReport
 from tasks import ingest
+from tasks.data.sources import ASSET_FORMATS
 from tasks.common import artifacts
+from tasks.common.assets import ASSETS
 
 # --------------------------------------------------------------------------------------------- helpers
 
@@ -451,11 +453,11 @@ def test_asset_provenance_is_portable_and_counts_balance(assets_run, name):
     assert len(records) == counts["ok"] == expected_ok
     errors = ASSET_ERRORS.get(name, 0)
     assert counts["error"] == errors and counts["skipped"] == counts["input"] - expected_ok - errors
-    asset = ingest.ASSETS[name]
+    asset = ASSETS[name]
     portable = f"{asset.distribution}=={asset.version}:{asset.relative_path}"
     for record in records:
         assert record.provenance.file == portable
-        assert record.provenance.format == ingest.ASSET_FORMATS[name]
+        assert record.provenance.format == ASSET_FORMATS[name]
     assert "site-packages" not in portable and not Path(portable).is_absolute()
     outcomes = [outcome for outcome in assets_run.report.outcomes if outcome.key.startswith(f"{name}/")]
     assert len(outcomes) == counts["input"]

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from contract.config_loading import load_config
 from flows.cli import app
 from flows.pipeline import pipeline
-from flows.stage_cache import stage_cache_key, stage_spec
+from flows.stage_cache import REPO_ROOT, stage_cache_key, stage_spec
 from flows.stages import STAGE_ORDER
 from pipeline_inputs import tiny_run_config, write_conversations
 from tasks.serving.engine import free_port
@@ -144,6 +144,31 @@ def test_unchanged_stages_are_cached_and_changed_ones_rerun(prefect_harness, tmp
     forced = pipeline(config, [], ["ingest"], use_cache=False, return_state=True)
     assert state_names(forced) == {"ingest": "Completed"}
 
+    chats = tmp_path / "inputs" / "chats.jsonl"
+    chats.write_text(chats.read_text() + json.dumps({"id": "c4", "messages": [
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]}) + "\n")
+    edited = pipeline(config, ["validation.eval_fraction=0.5"], CHEAP_STAGES, return_state=True)
+    assert state_names(edited) == {"target": "Cached", "ingest": "Completed", "regenerate": "Completed",
+                                   "validate": "Completed"}, "an edited source file reruns ingest and what follows"
+    assert edited.result()["ingest"]["ok"] == first.result()["ingest"]["ok"] + 1
+
+
+def test_dvc_yaml_params_are_the_stages_declared_reads() -> None:
+    """dvc.yaml's `params` mirror flows/stages.py STAGE_READS, and params.yaml spells out each of them (DVC
+    refuses a stage whose param is missing from the params file)."""
+    from flows.stages import STAGE_READS
+
+    params_file = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    for name in STAGE_ORDER:
+        declared = STAGE_READS[name].params
+        block = "\n".join(["    params:", *(f"      - {param}" for param in declared)])
+        assert stage_spec(name).params == declared, f"dvc.yaml stage {name} must list its declared reads:\n{block}"
+        for param in declared:
+            node = params_file
+            for part in param.split("."):
+                assert isinstance(node, dict) and part in node, f"params.yaml lacks {param} (read by {name})"
+                node = node[part]
+
 
 def test_a_failing_stage_is_named_not_retried_and_earlier_artifacts_stay(prefect_harness, tmp_path: Path,
                                                                          tiny_target_dir: Path) -> None:
@@ -206,3 +231,39 @@ def test_stage_command_runs_one_stage_and_tracks_it(tmp_path: Path, tiny_target_
     assert run.data.tags["eaglet.stage"] == "ingest" and run.data.metrics["ingest.error"] == 1
     unknown = CliRunner().invoke(app, ["stage", "trian", "--config", str(config)])
     assert unknown.exit_code == 2 and "unknown stage 'trian'" in unknown.output
+
+
+class Planted:
+    """What an attacker with write access to the output directory would plant: unpickling runs a command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_planted_pickle_result_is_never_loaded(prefect_harness, tmp_path: Path, tiny_target_dir: Path) -> None:
+    """Stage results are persisted as plain JSON; a record of another serializer is set aside, not read."""
+    import base64
+    import pickle
+
+    config, out = str(untracked_config(tmp_path, tiny_target_dir)), tmp_path / "out"
+    pipeline(config, [], ["target", "ingest"], return_state=True)
+    record_path = out / ".prefect-results" / stage_cache_key("ingest", load_config(config, []))
+    record = json.loads(record_path.read_bytes())
+    assert record["metadata"]["serializer"]["type"] == "json"
+    assert json.loads(record["result"])["summary"]["ok"] == 6, "the record holds the summary as plain JSON"
+
+    marker = tmp_path / "planted-code-ran"
+    record["metadata"]["serializer"] = {"type": "pickle", "picklelib": "cloudpickle", "picklelib_version": None}
+    record["result"] = base64.encodebytes(pickle.dumps(Planted(marker))).decode()
+    record_path.write_text(json.dumps(record))
+    again = pipeline(config, [], ["target", "ingest"], return_state=True)
+    assert again.is_completed()
+    assert not marker.exists(), "the planted pickle was unpickled"
+    assert state_names(again) == {"target": "Cached", "ingest": "Completed"}, "the refused record is a cache miss"
+    assert record_path.with_name(record_path.name + ".refused").is_file()
+    assert json.loads(record_path.read_bytes())["metadata"]["serializer"]["type"] == "json", "rewritten as JSON"
