@@ -5,6 +5,8 @@ dvc.yaml lists them (flows/stage_cache.py), so a rerun skips every stage whose i
 unchanged (its task run ends in state "Cached") and DVC would agree it is up to date. Only failures a retry
 can cure are retried: an engine that did not start, an HTTP server that refused or did not answer. A
 failure stops the flow with an error naming the stage; what the stages before it wrote stays on disk.
+The flow holds `<output_dir>/.eaglet.lock` while it runs (tasks/common/run_lock.py), so a scheduled run that
+overlaps another run on the same output_dir fails at once naming the holder.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from contract.config_loading import load_config
 from flows.stage_cache import outputs_unchanged, record_outputs, results_dir, stage_cache_key
 from flows.stages import StageResult, select_stages, stage_function
 from flows.tracking import tracked_run
+from tasks.common.run_lock import output_dir_lock
 from tasks.serving.engine import EngineStartError
 from tasks.data.generation_openai import RETRYABLE_STATUS
 
@@ -105,10 +108,12 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
 
 
 def run_stages(cfg: RunConfig, names: list[str], use_cache: bool = True) -> dict[str, dict[str, float]]:
+    """Run `names` in order under the output_dir lock (taken before MLflow, so a refused run records nothing)."""
     summaries: dict[str, dict[str, float]] = {}
-    with tracked_run(cfg, run_name=cfg.run_id, tags={"eaglet.kind": "pipeline"}) as tracker:
-        for name in names:
-            result = run_stage(name, cfg, use_cache)
-            tracker.log_stage(name, result)
-            summaries[name] = result.summary()
+    with output_dir_lock(cfg.output_path, f"eaglet-pipeline flow ({', '.join(names)})"):
+        with tracked_run(cfg, run_name=cfg.run_id, tags={"eaglet.kind": "pipeline"}) as tracker:
+            for name in names:
+                result = run_stage(name, cfg, use_cache)
+                tracker.log_stage(name, result)
+                summaries[name] = result.summary()
     return summaries
