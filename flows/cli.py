@@ -18,9 +18,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from contract.config import RunConfig
@@ -29,6 +30,7 @@ from flows.cli_common import ConfigOption, OverridesArgument, console, load_or_e
 from flows.deployments import add_deploy_command
 from flows.registry_cli import add_registry_commands
 from flows.stages import STAGE_ORDER
+from tasks.common.run_lock import RunLocked, output_dir_lock
 
 for variable, value in (("PREFECT_SERVER_ANALYTICS_ENABLED", "false"), ("GX_ANALYTICS_ENABLED", "false"),
                         ("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
@@ -87,9 +89,12 @@ def stage(
         console.print(f"[red]{error.args[0]}[/red]")
         raise typer.Exit(code=2) from None
     try:
-        with tracked_run(cfg, run_name=f"{cfg.run_id}/{name}", tags={"eaglet.kind": "stage", "eaglet.stage": name}) as tracker:
-            result = function(cfg)
-            tracker.log_stage(name, result)
+        with output_dir_lock(cfg.output_path, f"eaglet stage {name}"):
+            with tracked_run(cfg, run_name=f"{cfg.run_id}/{name}", tags={"eaglet.kind": "stage", "eaglet.stage": name}) as tracker:
+                result = function(cfg)
+                tracker.log_stage(name, result)
+    except RunLocked as error:
+        refuse(f"stage {name}", error)
     except stage_errors() as error:
         console.print(f"[red]stage {name} failed[/red]: {error}", markup=True, highlight=False)
         raise typer.Exit(code=1) from None
@@ -115,6 +120,12 @@ def stage_command(name: str) -> None:
 
     command.__doc__ = f"Run the {name} stage (same as `eaglet stage {name}`)."
     app.command(name)(command)
+
+
+def refuse(what: str, error: RunLocked) -> NoReturn:
+    """Another run holds the output_dir: one red line naming it, exit 1, no traceback."""
+    console.print(f"[red]{what} refused[/red]: {escape(str(error))}", markup=True, highlight=False, soft_wrap=True)
+    raise typer.Exit(code=1) from None
 
 
 def stage_errors() -> tuple[type[Exception], ...]:
@@ -143,7 +154,11 @@ def run(
 
     cfg = load_or_exit(config, overrides)
     selected = stages.split(",") if stages else None
-    summaries = pipeline(str(config) if config else None, overrides or [], selected, use_cache=not no_cache)
+    try:  # locked here too (the flow nests in it), so a refusal is one line, not a failed flow run
+        with output_dir_lock(cfg.output_path, f"eaglet run ({stages or 'all stages'})"):
+            summaries = pipeline(str(config) if config else None, overrides or [], selected, use_cache=not no_cache)
+    except RunLocked as error:
+        refuse("run", error)
     print_summaries(summaries)
     print_where_things_are(cfg)
 

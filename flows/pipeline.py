@@ -6,6 +6,8 @@ every stage whose inputs and outputs are unchanged (its task run ends in state "
 it is up to date. Only failures a retry
 can cure are retried: an engine that did not start, an HTTP server that refused or did not answer. A
 failure stops the flow with an error naming the stage; what the stages before it wrote stays on disk.
+The flow holds `<output_dir>/.eaglet.lock` while it runs (tasks/common/run_lock.py), so a scheduled run that
+overlaps another run on the same output_dir fails at once naming the holder.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from flows.stage_cache import outputs_unchanged, record_outputs, results_dir, st
 from flows.stage_records import JSON_SERIALIZER, StageRecord, recorded, set_aside_unsafe_record
 from flows.stages import select_stages, stage_function
 from flows.tracking import tracked_run
+from tasks.common.run_lock import output_dir_lock
 from tasks.serving.engine import EngineStartError
 from tasks.data.generation_openai import RETRYABLE_STATUS
 
@@ -109,10 +112,12 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
 
 
 def run_stages(cfg: RunConfig, names: list[str], use_cache: bool = True) -> dict[str, dict[str, float]]:
+    """Run `names` in order under the output_dir lock (taken before MLflow, so a refused run records nothing)."""
     summaries: dict[str, dict[str, float]] = {}
-    with tracked_run(cfg, run_name=cfg.run_id, tags={"eaglet.kind": "pipeline"}) as tracker:
-        for name in names:
-            result = run_stage(name, cfg, use_cache)
-            tracker.log_stage(name, result)
-            summaries[name] = result.summary()
+    with output_dir_lock(cfg.output_path, f"eaglet-pipeline flow ({', '.join(names)})"):
+        with tracked_run(cfg, run_name=cfg.run_id, tags={"eaglet.kind": "pipeline"}) as tracker:
+            for name in names:
+                result = run_stage(name, cfg, use_cache)
+                tracker.log_stage(name, result)
+                summaries[name] = result.summary()
     return summaries
