@@ -271,11 +271,22 @@ class TrackingConfig(Section):
     experiment: str = "eaglet"
 
 
+#: The promotion gates that can go unmeasured (tasks/registry/gates.py): the names `registry.waive_gates` takes.
+#: A per-engine gate (`speedup[vllm]`) is waived by its family name (`speedup`); the other gates are always measured.
+WAIVABLE_GATES = ("serving_checks", "engine_acceptance", "speedup", "no_regression")
+
+
 class RegistryConfig(Section):
-    """The MLflow registered model and the promotion gates of the register stage (tasks/registry/gates.py)."""
+    """The MLflow registered model and the promotion gates of the register stage (tasks/registry/gates.py).
+
+    A gate that could not be measured (no engine ran; a champion measured on another eval set or target revision)
+    blocks `champion` like a failed one, unless `waive_gates` names it."""
 
     model_name: str = "eaglet-draft"
-    min_accept_length: float = Field(default=1.0, ge=0.0, description="offline chain mean accept length floor")
+    min_accept_length: float = Field(
+        default=1.05, gt=1.0,
+        description="offline chain mean accept length floor, above 1.0: an accept length of 1.0 is the target's own "
+        "token alone, every drafted token rejected")
     min_speedup: float = Field(default=1.0, ge=0.0, description="engine output tok/s with / without the drafter")
     engine_tolerance: float = Field(default=0.15, ge=0.0, description="relative gap, engine vs offline accept length")
     max_regression: float = Field(
@@ -283,6 +294,20 @@ class RegistryConfig(Section):
         description="allowed relative drop of the offline accept length vs the champion on the same eval set")
     speedup_concurrency: Optional[int] = Field(
         default=None, ge=1, description="the benchmark concurrency level the speedup gate reads (None: the lowest)")
+    waive_gates: list[str] = Field(
+        default_factory=list,
+        description="gates that may go unmeasured and still let the version become champion (recorded as "
+        f"'waived'); any of {', '.join(WAIVABLE_GATES)}. A measured gate is judged whatever this says")
+
+    @field_validator("waive_gates")
+    @classmethod
+    def _only_gates_that_can_go_unmeasured(cls, names: list[str]) -> list[str]:
+        unknown = [name for name in names if name not in WAIVABLE_GATES]
+        if unknown:
+            raise ValueError(f"unknown gate(s) {', '.join(map(repr, unknown))}; the gates that can be waived are "
+                             f"{', '.join(WAIVABLE_GATES)} (a per-engine gate such as speedup[vllm] by its family "
+                             "name; the other gates are always measured)")
+        return names
 
 
 class TrainerDeployment(Section):

@@ -186,13 +186,16 @@ def print_where_things_are(cfg: RunConfig) -> None:
 
 
 def champion_line(cfg: RunConfig, registration: dict) -> str:
-    """Which version is champion after this run, and if this run's version is not, why."""
+    """Which version is champion after this run, with the gates it was let through unmeasured, and if this run's
+    version is not champion, which gates withheld it (failed, or not run without a waiver)."""
     name = registration.get("model_name", cfg.registry.model_name)
     version = registration.get("version")
     if version is None:
         return f"not registered ({registration.get('skipped', 'no version')})"
     if "champion" in registration.get("aliases", []):
-        return f"models:/{name}@champion = version {version} (this run)"
+        waived = registration.get("waived_gates", [])
+        note = f"; waived: {', '.join(waived)}" if waived else ""
+        return f"models:/{name}@champion = version {version} (this run{note})"
     held_back = "; ".join(registration.get("failed_gates", [])) or "see registration.json"
     before = registration.get("champion_before")
     current = f"version {before}" if before else "none yet"

@@ -38,7 +38,8 @@ def make_console() -> Console:
 
 
 def registry_show(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument) -> None:
-    """Table of the registered versions: aliases, offline accept length, speedup, gates, target revision."""
+    """Table of the registered versions: aliases, offline accept length, speedup, gates (passed, and which were
+    waived), target revision."""
     from mlflow.exceptions import MlflowException
 
     from tasks.registry.store import registry_client, version_rows
@@ -53,8 +54,8 @@ def registry_show(config: Optional[Path] = ConfigOption, overrides: Optional[lis
         console.print(f"no registered model '{escape(name)}' in {escape(client.tracking_uri)}: run the register stage")
         raise typer.Exit(code=1) from None
     table = Table(title=f"{name} ({client.tracking_uri})")
-    for column in ("version", "aliases", "offline accept length", "speedup", "gates passed", "target revision",
-                   "created"):
+    for column in ("version", "aliases", "offline accept length", "speedup", "gates passed", "waived gates",
+                   "target revision", "created"):
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*(escape(value) for value in row.values()), style="bold green" if "champion" in row["aliases"] else None)
@@ -91,7 +92,7 @@ def promote(
         return
     if tags.get(TAG_GATES_PASSED) != "true" and not force:
         failed = json.loads(tags.get(TAG_FAILED_GATES, "[]"))
-        console.print(f"[red]{escape(name)} v{version} failed its gates[/red]; it stays candidate:")
+        console.print(f"[red]{escape(name)} v{version} did not pass its gates[/red]; it stays candidate:")
         for line in failed or ["(no gate verdicts recorded on this version)"]:
             console.print(f"  - {escape(line)}")
         console.print("promote it anyway with --force --reason TEXT")

@@ -4,6 +4,8 @@ Reads the exports `draft/sglang` and `draft/vllm` (checked against `target.json`
 does), `evaluate/acceptance.json`, and when they exist `benchmark/report.json`, `reports/data_contract.json`
 and the Data Docs `reports/data_docs/index.html`. Missing exports or evaluation fail the stage naming the
 file and the stage to run; a failed gate does not: the version is registered and keeps alias `candidate`.
+Neither does a gate that could not be measured (no engine ran; a champion measured on another eval set or target
+revision): it withholds `champion` the same way unless `registry.waive_gates` names it.
 
 MLflow 3 (docs/architecture.md §7): the checkpoint folder is a logged model (`initialize_logged_model`, the two engine
 folders, `contract.json` and the reports as its artifacts, `finalize_logged_model`), registered under
@@ -14,7 +16,8 @@ keeps `previous`. Runs inside the pipeline's MLflow run when there is one, else 
 `tracking.enabled: false` (CI-size runs) there is no store: the gates are evaluated and reported, nothing
 is registered.
 
-Writes `register/registration.json` (version, aliases, each gate with its measured value and threshold).
+Writes `register/registration.json` (version, aliases, each gate with its measured value and threshold, the gates
+that withheld `champion` and the ones waived).
 
     .venv/bin/eaglet stage register --config params.yaml
     .venv/bin/eaglet registry show --config params.yaml
@@ -37,7 +40,8 @@ from contract.config import RunConfig
 from contract.hashing import hash_text
 from tasks.common.artifacts import read_json, write_json
 from tasks.registry.doctor import inspect_checkpoint
-from tasks.registry.gates import Gate, GateInputs, evaluate_gates, gates_passed, offline_accept_length
+from tasks.registry.gates import (Gate, GateInputs, blocking_lines, evaluate_gates, gates_passed, offline_accept_length,
+                                  waived_names)
 from tasks.registry.store import (CANDIDATE, CHAMPION, TAG_ACCEPT_LENGTH, TAG_EVAL_FINGERPRINT, TAG_FAILED_GATES,
                                   TAG_GATES, TAG_GATES_PASSED, TAG_RECOMMENDED_SERVING, TAG_SPEEDUP, aliases_of,
                                   current_champion, promote_version)
@@ -142,10 +146,11 @@ def gate_only(cfg: RunConfig, inputs: RegisterInputs, fingerprint: str, provenan
 
 def gate_record(inputs: RegisterInputs, gates: list[Gate], fingerprint: str,
                 provenance: dict[str, str]) -> dict[str, Any]:
-    """The part of registration.json that does not depend on the registry: gates, identity, provenance."""
+    """The part of registration.json that does not depend on the registry: gates, identity, provenance.
+    `failed_gates` lists every gate that withheld `champion`: failed, or not run without a waiver."""
     return {
         "gates_passed": gates_passed(gates), "gates": [gate.as_json() for gate in gates],
-        "failed_gates": [gate.describe() for gate in gates if gate.failed],
+        "failed_gates": blocking_lines(gates), "waived_gates": waived_names(gates),
         "offline_accept_length": offline_accept_length(inputs.acceptance), "eval_fingerprint": fingerprint,
         "target_revision": inputs.contract.target_revision,
         "reports": {key: str(path) if path else None for key, path in inputs.report_paths.items()},
@@ -154,7 +159,8 @@ def gate_record(inputs: RegisterInputs, gates: list[Gate], fingerprint: str,
 
 
 def say_gates(registration: dict[str, Any]) -> None:
-    """Tell the person at the terminal which gates held the version back (the stage itself succeeds)."""
+    """Tell the person at the terminal which gates held the version back and which were waived (the stage itself
+    succeeds)."""
     if registration["version"] is None:
         print(f"[register] {registration['skipped']}", flush=True)
     else:
@@ -162,6 +168,8 @@ def say_gates(registration: dict[str, Any]) -> None:
         print(f"[register] {registration['model_name']} v{registration['version']}: aliases {aliases}", flush=True)
     for line in registration["failed_gates"]:
         print(f"[register] gate {line}", flush=True)
+    if registration["waived_gates"]:
+        print(f"[register] waived (registry.waive_gates): {', '.join(registration['waived_gates'])}", flush=True)
 
 
 # --- inputs ---------------------------------------------------------------------------------------------
@@ -343,7 +351,7 @@ def gate_tags(inputs: RegisterInputs, gates: list[Gate], fingerprint: str) -> di
     return {
         TAG_GATES_PASSED: tag_value(gates_passed(gates)),
         TAG_GATES: tag_value([gate.as_json() for gate in gates]),
-        TAG_FAILED_GATES: tag_value([gate.describe() for gate in gates if gate.failed]),
+        TAG_FAILED_GATES: tag_value(blocking_lines(gates)),
         TAG_EVAL_FINGERPRINT: fingerprint,
         TAG_ACCEPT_LENGTH: tag_value(accept_length) if accept_length is not None else "none",
         TAG_SPEEDUP: " ".join(speedups) or "not run",

@@ -1,8 +1,9 @@
 """register stage and registry commands on a real sqlite MLflow store and a real exported tiny drafter.
 
 One drafter is trained for a few steps and evaluated once per module; each test copies what the stage reads
-into its own output dir and plants the serving and data-contract reports (good ones, or one bad value, which
-is the point of a gate test). The gates themselves are pure functions, checked one planted value at a time.
+into its own output dir and plants the serving and data-contract reports and the offline accept length (good
+ones, or one bad value, which is the point of a gate test). No engine runs here, so the copies waive the serving
+gates unless a test says otherwise. The gates themselves are pure functions, checked one planted value at a time.
 """
 
 from __future__ import annotations
@@ -19,17 +20,21 @@ import typer
 from typer.testing import CliRunner
 
 from contract.checkpoint import CheckpointContract, ContractMismatch
-from contract.config import RegistryConfig, RunConfig, TrackingConfig
-from contract.config_loading import config_as_yaml
+from pydantic import ValidationError
+
+from contract.config import WAIVABLE_GATES, RegistryConfig, RunConfig, TrackingConfig
+from contract.config_loading import ConfigError, config_as_yaml, load_config
 from flows.registry_cli import add_registry_commands
 from tasks import evaluate, register, train
 from tasks.registry import store as registry_store
-from tasks.registry.gates import Champion, GateInputs, evaluate_gates, gates_passed
+from tasks.registry.gates import NOT_RUN, Champion, GateInputs, blocking_lines, evaluate_gates, gates_passed
 from training_run import captured_run
 
 MODEL = "tiny-drafter"
 #: What the stage reads from a run; the rest (features, checkpoints) stays behind.
 REGISTER_INPUTS = ("target.json", "target", "draft", "evaluate", "data/eval.jsonl")
+#: The gates a run without a serving engine cannot measure.
+SERVING_GATES = ["serving_checks", "engine_acceptance", "speedup"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,8 @@ def exported_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path
 
 
 def run_copy(exported: RunConfig, directory: Path, mlflow_uri: str, **registry: Any) -> RunConfig:
-    """The stage's inputs in a fresh output dir, with good planted reports, tracked in `mlflow_uri`."""
+    """The stage's inputs in a fresh output dir, with good planted reports (no engine ran: the serving gates are
+    waived unless `registry` says otherwise), tracked in `mlflow_uri`."""
     for name in REGISTER_INPUTS:
         source, destination = exported.output_path / name, directory / name
         destination.parent.mkdir(parents=True, exist_ok=True)
@@ -57,12 +63,14 @@ def run_copy(exported: RunConfig, directory: Path, mlflow_uri: str, **registry: 
     (directory / "reports" / "data_docs" / "index.html").write_text("<html>data docs</html>")
     write(directory / "benchmark" / "report.json", {"skipped": "benchmark.engines is empty", "engines": {},
                                                     "failures": [], "passed": True})
-    settings = {"model_name": MODEL, "min_accept_length": 1.0, **registry}
-    return exported.model_copy(update={
+    settings = {"model_name": MODEL, "waive_gates": SERVING_GATES, **registry}
+    cfg = exported.model_copy(update={
         "output_dir": str(directory),
         "tracking": TrackingConfig(enabled=True, tracking_uri=mlflow_uri, experiment="register-test"),
         "registry": RegistryConfig(**settings),
     })
+    plant_accept_length(cfg, 2.0)  # a two-step drafter accepts next to nothing; the gates are what is tested
+    return cfg
 
 
 def write(path: Path, data: Any) -> None:
@@ -136,17 +144,85 @@ def test_each_gate_fails_on_its_planted_bad_value(name: str) -> None:
     assert name in gates[name].describe() and "threshold" in gates[name].describe()
 
 
-def test_unmeasurable_gates_are_not_run_and_block_nothing() -> None:
-    skipped = {"skipped": "benchmark.engines is empty", "engines": {}, "failures": [], "passed": True}
+SKIPPED_BENCHMARK = {"skipped": "benchmark.engines is empty", "engines": {}, "failures": [], "passed": True}
+
+
+def test_unmeasured_gates_block_champion_unless_waived_by_name() -> None:
     other_eval_set = Champion(1, "rev", "another-evalset", 9.0)
-    gates = evaluate_gates(good_inputs(serving=skipped, champion=other_eval_set), SETTINGS)
+    inputs = good_inputs(serving=SKIPPED_BENCHMARK, champion=other_eval_set)
+    gates = evaluate_gates(inputs, SETTINGS)
     verdicts = {gate.name: gate.status for gate in gates}
     assert verdicts == {"data_contract": "passed", "greedy_equivalence": "passed", "offline_accept_length": "passed",
                         "serving_checks": "not run", "engine_acceptance": "not run", "speedup": "not run",
                         "no_regression": "not run"}
-    assert gates_passed(gates)
-    missing = {gate.name: gate for gate in evaluate_gates(good_inputs(data_contract=None), SETTINGS)}
+    assert not gates_passed(gates), "nothing shows the drafter serves faster or does not regress"
+    assert ("speedup: not run (measured None, threshold 1.2): no engine ran: benchmark.engines is empty; "
+            "waive with registry.waive_gates: [speedup]") in blocking_lines(gates)
+    assert any("another eval set" in line and "[no_regression]" in line for line in blocking_lines(gates))
+
+    serving_waived = evaluate_gates(inputs, SETTINGS.model_copy(update={"waive_gates": SERVING_GATES}))
+    assert {gate.name: gate.status for gate in serving_waived}["speedup"] == "waived"
+    assert [gate.name for gate in serving_waived if gate.blocks] == ["no_regression"], "another eval set still blocks"
+    everything = SETTINGS.model_copy(update={"waive_gates": [*SERVING_GATES, "no_regression"]})
+    waived = {gate.name: gate for gate in evaluate_gates(inputs, everything)}
+    assert gates_passed(list(waived.values())) and waived["no_regression"].status == "waived"
+    assert waived["speedup"].detail == "no engine ran: benchmark.engines is empty" and waived["speedup"].threshold == 1.2
+    assert waived["speedup"].describe().endswith("waived by registry.waive_gates")
+
+    missing = {gate.name: gate for gate in evaluate_gates(good_inputs(data_contract=None), everything)}
     assert missing["data_contract"].failed and "validate stage" in missing["data_contract"].detail
+
+
+def test_a_waiver_never_overrules_a_measured_gate() -> None:
+    settings = SETTINGS.model_copy(update={"waive_gates": list(WAIVABLE_GATES)})
+    gates = {gate.name: gate for gate in evaluate_gates(good_inputs(serving=serving(speedup=1.1)), settings)}
+    assert gates["speedup[vllm]"].status == "failed" and not gates_passed(list(gates.values()))
+
+
+def test_a_skipped_engine_comparison_is_waived_by_its_family_name() -> None:
+    report = serving()
+    report["engines"]["vllm"]["acceptance_check"] = {"status": "skipped", "reason": "temperature > 0"}
+    gate = {gate.name: gate for gate in evaluate_gates(good_inputs(serving=report), SETTINGS)}["engine_acceptance[vllm]"]
+    assert gate.status == "not run" and gate.blocks and "[engine_acceptance]" in gate.describe()
+    settings = SETTINGS.model_copy(update={"waive_gates": ["engine_acceptance"]})
+    assert gates_passed(evaluate_gates(good_inputs(serving=report), settings))
+
+
+def test_every_gate_that_can_go_unmeasured_can_be_waived() -> None:
+    other_revision = Champion(1, "another-rev", "evalset", 1.9)
+    unmeasured = evaluate_gates(good_inputs(serving=SKIPPED_BENCHMARK, champion=other_revision), SETTINGS)
+    assert {gate.family for gate in unmeasured if gate.status == NOT_RUN} == set(WAIVABLE_GATES)
+    regression = {gate.name: gate for gate in unmeasured}["no_regression"]
+    assert "another target revision" in regression.detail
+
+
+def test_the_first_version_has_nothing_to_regress_against() -> None:
+    gates = {gate.name: gate for gate in evaluate_gates(good_inputs(champion=None), SETTINGS)}
+    assert gates["no_regression"].status == "passed" and gates["no_regression"].measured == 2.0
+    assert gates["no_regression"].detail == "no champion yet: nothing to regress against"
+    assert gates_passed(list(gates.values()))
+
+
+def test_the_accept_length_floor_defaults_above_nothing_accepted() -> None:
+    settings = RegistryConfig()
+    assert settings.min_accept_length > 1.0 and settings.waive_gates == []
+    nothing_accepted = {"greedy_equivalence": "passed", "chain": {"mean_accept_length": 1.0, "steps": 3}}
+    gates = {gate.name: gate for gate in evaluate_gates(good_inputs(acceptance=nothing_accepted, champion=None),
+                                                        settings)}
+    assert gates["offline_accept_length"].status == "failed", "1.0 is every drafted token rejected"
+    with pytest.raises(ValidationError, match="min_accept_length"):
+        RegistryConfig(min_accept_length=1.0)
+    with pytest.raises(ConfigError, match=r"registry\.min_accept_length: Input should be greater than 1"):
+        load_config(None, ["registry.min_accept_length=1.0"])
+
+
+def test_waive_gates_takes_only_gates_that_can_go_unmeasured() -> None:
+    assert load_config(None, ["registry.waive_gates=[speedup, no_regression]"]).registry.waive_gates == [
+        "speedup", "no_regression"]
+    for name in ("sped_up", "speedup[vllm]", "data_contract"):
+        with pytest.raises(ConfigError, match=r"registry\.waive_gates: unknown gate\(s\) .*serving_checks, "
+                                              r"engine_acceptance, speedup, no_regression"):
+            load_config(None, [f"registry.waive_gates=['{name}']"])
 
 
 # --- the stage ------------------------------------------------------------------------------------------
@@ -174,7 +250,8 @@ def test_registration_carries_the_contract_reports_and_provenance(exported_run: 
     registration = json.loads((cfg.output_path / "register" / "registration.json").read_text())
     assert registration == result.registration and registration["version"] == 1
     assert registration["aliases"] == ["champion"] and registration["gates_passed"] is True
-    assert {gate["name"]: gate["status"] for gate in registration["gates"]}["speedup"] == "not run"
+    assert {gate["name"]: gate["status"] for gate in registration["gates"]}["speedup"] == "waived"
+    assert registration["waived_gates"] == SERVING_GATES and registration["failed_gates"] == []
     assert result.summary() == {"registered": 1.0, "version": 1.0, "gates_passed": 1.0, "gates_failed": 0.0,
                                 "champion": 1.0, "offline_accept_length": registration["offline_accept_length"]}
 
@@ -236,6 +313,57 @@ def test_failing_gate_keeps_candidate_then_a_passing_version_moves_the_aliases(
     assert passed.registration["mlflow_run_id"] == pipeline_run.info.run_id, "inside the pipeline's run"
     assert passed.registration["previous_champion"] == 1 and passed.registration["champion_before"] == 1
     assert aliases(mlflow_uri) == {"champion": 3, "previous": 1}
+
+
+def test_an_unmeasured_gate_withholds_champion_until_the_config_waives_it(
+        exported_run: RunConfig, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flows.cli import champion_line
+
+    monkeypatch.chdir(tmp_path)
+    strict = run_copy(exported_run, tmp_path / "out", mlflow_uri, waive_gates=[])
+    held_back = register.run(strict).registration
+    assert held_back["version"] == 1 and held_back["aliases"] == ["candidate"] and not held_back["gates_passed"]
+    assert aliases(mlflow_uri) == {"candidate": 1}, "registered all the same"
+    verdicts = {gate["name"]: gate["status"] for gate in held_back["gates"]}
+    assert verdicts["no_regression"] == "passed", "the first version has nothing to regress against"
+    assert [line.partition(":")[0] for line in held_back["failed_gates"]] == SERVING_GATES
+    assert held_back["failed_gates"][0].startswith("serving_checks: not run (measured None, threshold True): no engine ran")
+    line = champion_line(strict, held_back)
+    assert f"models:/{MODEL}@champion = none yet; this run's version 1 stays candidate (serving_checks: not run" in line
+    assert "speedup: not run" in line and "waive with registry.waive_gates: [speedup]" in line
+
+    waived = run_copy(exported_run, tmp_path / "out-waived", mlflow_uri)
+    promoted = register.run(waived).registration
+    assert promoted["aliases"] == ["champion"] and promoted["waived_gates"] == SERVING_GATES
+    assert champion_line(waived, promoted) == (f"models:/{MODEL}@champion = version 2 (this run; waived: "
+                                               "serving_checks, engine_acceptance, speedup)")
+
+    acceptance_path = waived.output_path / "evaluate" / "acceptance.json"
+    acceptance = json.loads(acceptance_path.read_text())
+    write(acceptance_path, {**acceptance, "max_new_tokens": acceptance["max_new_tokens"] + 1})
+    incomparable = register.run(waived).registration
+    assert incomparable["eval_fingerprint"] != promoted["eval_fingerprint"]
+    assert incomparable["aliases"] == ["candidate"] and aliases(mlflow_uri) == {"champion": 2, "candidate": 3}
+    assert [line.partition(":")[0] for line in incomparable["failed_gates"]] == ["no_regression"]
+    assert "champion v2 was evaluated on another eval set" in incomparable["failed_gates"][0]
+
+    config = tmp_path / "run.yaml"
+    config.write_text(config_as_yaml(waived))
+    refused = invoke("promote", "--version", "3", "--config", str(config))
+    assert refused.exit_code == 1 and "no_regression: not run" in refused.output
+    shown = invoke("registry", "show", "--config", str(config))
+    assert shown.exit_code == 0, shown.output
+    header, rows = table_cells(shown.output)
+    waived_column = header.index("waived gates")
+    assert rows["2"][waived_column] == "serving_checks, engine_acceptance, speedup"
+    assert rows["1"][waived_column] == "none" and rows["3"][waived_column] == "serving_checks, engine_acceptance, speedup"
+
+
+def table_cells(output: str) -> tuple[list[str], dict[str, list[str]]]:
+    """`registry show`'s header and its rows by version, as stripped cells (one line per row at COLUMNS=220)."""
+    lines = [line.replace("┃", "│") for line in output.splitlines()]  # the header row's rule is heavy
+    table = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.count("│") >= 8]
+    return table[0], {cells[0]: cells for cells in table[1:]}
 
 
 def test_missing_inputs_fail_naming_the_file_and_the_stage(exported_run: RunConfig, tmp_path: Path, mlflow_uri: str) -> None:

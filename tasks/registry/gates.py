@@ -1,8 +1,10 @@
 """Promotion gates and checkpoint checks: pure functions over reports and parsed checkpoint files.
 
-A drafter becomes `champion` only when every gate passes; a gate that could not be measured (no serving
-engine, no comparable champion) is "not run", which blocks nothing. Each gate keeps its measured value and
-its threshold, so a refusal says by how much it missed.
+A drafter becomes `champion` only when every gate passes. A gate that could not be measured (no serving
+engine ran, or the champion was measured on another eval set or target revision) is "not run" and blocks like a
+failed one, since nothing shows the drafter is good enough; `registry.waive_gates` names the gates allowed to go
+unmeasured, and those become "waived". The very first champion has nothing to regress against: its regression
+gate passes. Each gate keeps its measured value and its threshold, so a refusal says by how much it missed.
 
 The checkpoint checks are what `eaglet doctor` prints (docs/architecture.md §3, §5): the contract against the target,
 the tensor names and shapes the engines load, and the aux layer ids written for the export's engine.
@@ -11,14 +13,16 @@ No I/O here: tasks/register.py reads the files and calls these.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, Optional
 
 from contract.checkpoint import CheckpointContract, ContractMismatch, check_against_target
 from contract.config import RegistryConfig
 
-PASSED, FAILED, NOT_RUN = "passed", "failed", "not run"
-GateStatus = Literal["passed", "failed", "not run"]
+PASSED, FAILED, NOT_RUN, WAIVED = "passed", "failed", "not run", "waived"
+GateStatus = Literal["passed", "failed", "not run", "waived"]
+#: What withholds `champion`: a gate that failed, or one that could not be measured and was not waived.
+BLOCKING = (FAILED, NOT_RUN)
 
 
 @dataclass(frozen=True)
@@ -35,13 +39,31 @@ class Gate:
     def failed(self) -> bool:
         return self.status == FAILED
 
+    @property
+    def blocks(self) -> bool:
+        return self.status in BLOCKING
+
+    @property
+    def family(self) -> str:
+        """The name `registry.waive_gates` takes: a per-engine gate (`speedup[vllm]`) by its family (`speedup`)."""
+        return self.name.partition("[")[0]
+
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
-        """One line for people: name, verdict, measured vs threshold, why."""
+        """One line for people: name, verdict, measured vs threshold, why, and how a waiver applies."""
         text = f"{self.name}: {self.status} (measured {shown(self.measured)}, threshold {shown(self.threshold)})"
-        return f"{text}: {self.detail}" if self.detail else text
+        notes = [note for note in (self.detail, self.waiver_note()) if note]
+        return f"{text}: {'; '.join(notes)}" if notes else text
+
+    def waiver_note(self) -> str:
+        """An unmeasured gate says how to let it through; a waived one says what let it through."""
+        if self.status == NOT_RUN:
+            return f"waive with registry.waive_gates: [{self.family}]"
+        if self.status == WAIVED:
+            return "waived by registry.waive_gates"
+        return ""
 
 
 def shown(value: Any) -> str:
@@ -77,11 +99,29 @@ def evaluate_gates(inputs: GateInputs, settings: RegistryConfig) -> list[Gate]:
              accept_length_gate(inputs.acceptance, settings.min_accept_length)]
     gates += serving_gates(inputs.serving, offline_accept_length(inputs.acceptance), settings)
     gates.append(regression_gate(inputs, settings.max_regression))
-    return gates
+    return [waived(gate, settings.waive_gates) for gate in gates]
+
+
+def waived(gate: Gate, waive_gates: list[str]) -> Gate:
+    """The gate as judged, except an unmeasured one whose family the config waives: that one stops blocking."""
+    if gate.status == NOT_RUN and gate.family in waive_gates:
+        return replace(gate, status=WAIVED)
+    return gate
 
 
 def gates_passed(gates: list[Gate]) -> bool:
-    return not any(gate.failed for gate in gates)
+    """True when nothing blocks `champion`: every gate passed or was waived."""
+    return not any(gate.blocks for gate in gates)
+
+
+def blocking_lines(gates: list[Gate]) -> list[str]:
+    """Why the version is not champion, one line per gate that failed or went unmeasured without a waiver."""
+    return [gate.describe() for gate in gates if gate.blocks]
+
+
+def waived_names(gates: list[Gate]) -> list[str]:
+    """The gates let through unmeasured by registry.waive_gates: what `registry show` lists per version."""
+    return [gate.name for gate in gates if gate.status == WAIVED]
 
 
 def offline_accept_length(acceptance: dict[str, Any]) -> Optional[float]:
@@ -125,7 +165,7 @@ def accept_length_gate(acceptance: dict[str, Any], minimum: float) -> Gate:
 def serving_gates(report: Optional[dict[str, Any]], offline: Optional[float], settings: RegistryConfig) -> list[Gate]:
     """The benchmark's own checks, then per engine: acceptance vs offline and speedup. "not run" without one."""
     if report is None or report.get("skipped") or not report.get("engines"):
-        reason = (report or {}).get("skipped") or "no benchmark report (benchmark/report.json)"
+        reason = "no engine ran: " + ((report or {}).get("skipped") or "no benchmark report (benchmark/report.json)")
         thresholds = {"serving_checks": True, "engine_acceptance": settings.engine_tolerance,
                       "speedup": settings.min_speedup}
         return [Gate(name, NOT_RUN, None, threshold, reason) for name, threshold in thresholds.items()]
@@ -176,17 +216,21 @@ def speedup_gate(kind: str, rows: list[dict[str, Any]], settings: RegistryConfig
 
 
 def regression_gate(inputs: GateInputs, max_regression: float) -> Gate:
-    """No step back from the champion, compared only on the same target revision and eval prompts."""
+    """No step back from the champion, compared only on the same target revision and eval prompts; the first
+    champion has nothing to regress against, so that counts as passing."""
     champion = inputs.champion
     measured = offline_accept_length(inputs.acceptance)
     if champion is None:
-        return Gate("no_regression", NOT_RUN, measured, None, "no champion to compare with")
+        return Gate("no_regression", PASSED, measured, None, "no champion yet: nothing to regress against")
     if champion.target_revision != inputs.target_revision:
         return Gate("no_regression", NOT_RUN, measured, None,
                     f"champion v{champion.version} was trained for another target revision: not comparable")
-    if champion.eval_fingerprint != inputs.eval_fingerprint or champion.offline_accept_length is None:
+    if champion.eval_fingerprint != inputs.eval_fingerprint:
         return Gate("no_regression", NOT_RUN, measured, None,
                     f"champion v{champion.version} was evaluated on another eval set: not comparable")
+    if champion.offline_accept_length is None:
+        return Gate("no_regression", NOT_RUN, measured, None,
+                    f"champion v{champion.version} has no recorded offline accept length: not comparable")
     threshold = champion.offline_accept_length * (1.0 - max_regression)
     detail = (f"champion v{champion.version} measured {champion.offline_accept_length:.3f} on the same eval set "
               f"(registry.max_regression {max_regression})")

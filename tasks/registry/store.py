@@ -7,6 +7,7 @@ Every registered version gets `candidate`; `champion` moves only through the gat
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -16,7 +17,7 @@ from typing import Any, Optional
 from contract.checkpoint import ENGINES, EXPORT_FILES
 from contract.config import RunConfig
 from tasks.common.artifacts import atomic_directory
-from tasks.registry.gates import Champion
+from tasks.registry.gates import WAIVED, Champion
 
 CANDIDATE, CHAMPION, PREVIOUS = "candidate", "champion", "previous"
 TAG_GATES_PASSED = "eaglet.gates_passed"
@@ -99,10 +100,19 @@ def version_rows(client: Any, name: str) -> list[dict[str, str]]:
             "offline accept length": number_cell(tags.get(TAG_ACCEPT_LENGTH, "?")),
             "speedup": tags.get(TAG_SPEEDUP, "?"),
             "gates passed": {"true": "yes", "false": "no"}.get(tags.get(TAG_GATES_PASSED, ""), "?"),
+            "waived gates": waived_cell(tags.get(TAG_GATES)),
             "target revision": tags.get(TAG_TARGET_REVISION, "?")[:12],
             "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(version.creation_timestamp / 1000)),
         })
     return rows
+
+
+def waived_cell(gates_tag: Optional[str]) -> str:
+    """The gates `registry.waive_gates` let through unmeasured, from the version's stored verdicts ("?" without)."""
+    if gates_tag is None:
+        return "?"
+    waived = [gate["name"] for gate in json.loads(gates_tag) if gate["status"] == WAIVED]
+    return ", ".join(waived) or "none"
 
 
 def number_cell(text: str) -> str:
