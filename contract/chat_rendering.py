@@ -3,7 +3,10 @@
 The mask comes from character offsets in the rendered text, never from guessing token patterns:
 for each supervised assistant turn i, the text rendered up to the generation prompt of turn i is a prefix
 of the text rendered through turn i, and what lies between them (trailing whitespace excluded) is exactly
-what the target writes: the content and the template's end-of-turn marker. Every stage that needs masks
+what the target writes: the content and the template's end-of-turn marker. A turn the target did not finish
+(regeneration stopped it at `max_new_tokens`, finish reason `length`) is supervised without that marker under
+`validation.cut_turns: no_end` (the default): the target never ended the turn there, so the drafter must not learn
+to predict the end of turn at that point. Every stage that needs masks
 (validate, capture, `eaglet inspect`) calls this module, so they cannot disagree.
 
 The tokenizer is passed in (duck-typed, an HF tokenizer); this module imports no torch or transformers.
@@ -12,12 +15,17 @@ The tokenizer is passed in (duck-typed, an HF tokenizer); this module imports no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Literal, Sequence
 
-from contract.records import Message
+from contract.records import Message, PromptRecord
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+#: What a turn cut at max_new_tokens becomes: supervised without the end-of-turn marker, supervised as if the
+#: target had ended it (the old behaviour, kept to measure it), or its record dropped.
+CutTurns = Literal["no_end", "as_finished", "drop"]
+#: The finish reason of a generation stopped by the token budget (OpenAI API and our local backend).
+CUT_FINISH_REASON = "length"
 
 
 class TemplateError(ValueError):
@@ -67,8 +75,25 @@ def render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: b
     )
 
 
-def render_with_spans(tokenizer: Any, messages: Sequence[Message]) -> RenderedConversation:
-    """Render a conversation and locate every supervised assistant turn in the text."""
+def unfinished_turns(record: PromptRecord) -> frozenset[int]:
+    """Indexes (in `messages`) of the assistant turns regeneration stopped at its token budget."""
+    if record.generation is None:
+        return frozenset()
+    return frozenset(turn.turn for turn in record.generation.turns if turn.finish_reason == CUT_FINISH_REASON)
+
+
+def render_record(tokenizer: Any, record: PromptRecord, cut_turns: CutTurns) -> RenderedConversation:
+    """A record as every stage renders it: pre-templated text by its markers, messages by the chat template,
+    with the turns the target did not finish ending without the end-of-turn marker under `no_end`."""
+    if record.text is not None:
+        return spans_in_pretemplated(tokenizer, record.text)
+    unfinished = unfinished_turns(record) if cut_turns == "no_end" else frozenset()
+    return render_with_spans(tokenizer, record.messages, unfinished)
+
+
+def render_with_spans(tokenizer: Any, messages: Sequence[Message], unfinished: Collection[int] = ()) -> RenderedConversation:
+    """Render a conversation and locate every supervised assistant turn in the text (a turn in `unfinished`
+    spans its content only, not the end-of-turn marker after it)."""
     full = render(tokenizer, messages)
     spans = []
     for index, message in enumerate(messages):
@@ -78,9 +103,11 @@ def render_with_spans(tokenizer: Any, messages: Sequence[Message]) -> RenderedCo
         through = render(tokenizer, messages[: index + 1])
         if not through.startswith(prefix) or not full.startswith(through):
             raise TemplateError(f"turn {index}: the template does not render earlier turns as a prefix of later ones")
-        if not through[len(prefix):].startswith(template_content(message)):
+        content = template_content(message)
+        if not through[len(prefix):].startswith(content):
             raise TemplateError(f"turn {index}: the template changes the assistant content while rendering it")
-        spans.append((len(prefix), len(through.rstrip())))
+        end = len(prefix) + len(content) if index in unfinished else len(through.rstrip())
+        spans.append((len(prefix), end))
     return RenderedConversation(full, spans)
 
 

@@ -135,6 +135,11 @@ class ValidationConfig(Section):
         description="regex over a record's original id whose group 'conversation' names its conversation "
         "(the default drops ShareGPT's '_<n>' part suffix)",
     )
+    cut_turns: Literal["no_end", "as_finished", "drop"] = Field(
+        default="no_end",
+        description="an assistant turn regeneration stopped at max_new_tokens (finish reason 'length'): no_end "
+        "supervises it without the end-of-turn marker (the target never ended it there); as_finished supervises "
+        "the marker too, as if it had; drop skips its record. Counted in data/validate_report.json either way")
 
     @model_validator(mode="after")
     def _thresholds_and_pattern(self) -> "ValidationConfig":

@@ -18,13 +18,14 @@ from pydantic import ValidationError
 from contract.chat_rendering import (
     THINK_CLOSE,
     THINK_OPEN,
+    CutTurns,
     RenderedConversation,
     TemplateError,
     is_supervised,
     render,
-    render_with_spans,
-    spans_in_pretemplated,
+    render_record,
     tokenize_with_mask,
+    unfinished_turns,
 )
 from contract.records import Message, PromptRecord
 
@@ -41,6 +42,7 @@ COLUMNS = (
     "template_renders",
     "tokens_roundtrip",
     "supervised_tokens",
+    "cut_turns",
 )
 UNSUPERVISED_ASSISTANT = "assistant-unsupervised"
 MISSING_HASH = "<missing>"
@@ -69,6 +71,7 @@ class CheckSettings:
     max_length: int
     reasoning_mode: str
     chat_template_hash: Optional[str]
+    cut_turns: CutTurns = "no_end"
 
 
 def derive(lines: list[str], tokenizer: Any, settings: CheckSettings, file_name: str = "regenerated.jsonl") -> list[DerivedRecord]:
@@ -156,11 +159,12 @@ def _template_columns(derived: DerivedRecord, record: PromptRecord, tokenizer: A
     details["template_hash"] = (
         f"generation.template_hash {_short(recorded)} != target chat_template_hash {_short(settings.chat_template_hash)}"
     )
+    columns["cut_turns"] = len(unfinished_turns(record))
+    details["cut_turns"] = (f"{columns['cut_turns']} assistant turn(s) cut at regeneration.max_new_tokens "
+                            f"(validation.cut_turns: {settings.cut_turns})")
     try:
-        if record.text is None:
-            rendered = render_with_spans(tokenizer, record.messages)
-        else:
-            rendered = spans_in_pretemplated(tokenizer, record.text)
+        rendered = render_record(tokenizer, record, settings.cut_turns)
+        if record.text is not None:
             derived.first_prompt = markers.first_user_prompt(record.text)
             columns["assistant_targets"] = tuple(markers.target_text(record.text, span) for span in rendered.spans)
             details["assistant_targets"] = "a pre-templated assistant turn is empty or whitespace-only"

@@ -223,7 +223,7 @@ def inspect(
         console.print(f"[red]{error.args[0]}[/red]")
         raise typer.Exit(code=2) from None
     tokenizer = AutoTokenizer.from_pretrained(cfg.output_path / "target")
-    rows = inspection_rows(tokenizer, record, cfg.validation.max_length)
+    rows = inspection_rows(tokenizer, record, cfg.validation.max_length, cfg.validation.cut_turns)
     table = Table(title=f"{sample_id} ({path.name})")
     columns = ["position", "token id", "token", "loss_mask"]
     if captured is not None:

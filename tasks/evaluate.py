@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from contract.chat_rendering import render_with_spans, spans_in_pretemplated
+from contract.chat_rendering import render_record
 from contract.config import RunConfig
 from tasks.common.artifacts import read_json, save_figure, write_json
 from tasks.common.progress import advance, progress_bar
@@ -162,8 +162,7 @@ def eval_prompts(path: Path, tokenizer: Any, max_length: int, max_records: Optio
     with `max_records`, that many records evenly spaced through the file (so every category is sampled)."""
     prompts: list[EvalPrompt] = []
     for record in select_records(path, max_records, sources):
-        rendered = (spans_in_pretemplated(tokenizer, record.text) if record.text is not None
-                    else render_with_spans(tokenizer, record.messages))
+        rendered = render_record(tokenizer, record, "as_finished")  # only the prompts (span starts) are used
         for turn, (start, _) in enumerate(rendered.spans, start=1):
             ids = tokenizer(rendered.text[:start], add_special_tokens=False)["input_ids"]
             if len(ids) >= max_length:

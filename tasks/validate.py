@@ -36,6 +36,8 @@ SPLIT_SUITE = "train_eval_split"
 INPUT_NAME = "regenerated.jsonl"
 SAMPLE_IDS = 10
 EXAMPLE_IDS = 5
+#: The cut_turns_allowed expectation's cap when cut turns are kept (no_end, as_finished): no record reaches it.
+ANY_NUMBER_OF_TURNS = 1_000_000
 
 
 class DataContractError(RuntimeError):
@@ -136,12 +138,14 @@ def run(cfg: RunConfig) -> ValidateResult:
     tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
 
     lines = jsonl_lines(source.read_text(encoding="utf-8"))
-    settings = CheckSettings(cfg.validation.max_length, cfg.regeneration.reasoning, target_info.chat_template_hash)
+    settings = CheckSettings(cfg.validation.max_length, cfg.regeneration.reasoning, target_info.chat_template_hash,
+                             cfg.validation.cut_turns)
     rows = derive(lines, tokenizer, settings, INPUT_NAME)
     explain_repeated_ids(rows)
     parameters = {
         "reasoning_content_allowed": [False, True] if cfg.regeneration.reasoning == "save" else [False],
         "target_chat_template_hashes": [settings.chat_template_hash or "<target has no chat template>"],
+        "max_cut_turns": 0 if cfg.validation.cut_turns == "drop" else ANY_NUMBER_OF_TURNS,
     }
 
     docs_dir = reports_dir / "data_docs"
@@ -160,6 +164,7 @@ def run(cfg: RunConfig) -> ValidateResult:
 
     source_of = {row.key: row.record.source if row.record is not None else "unparsed" for row in rows}
     report = StageReport.from_outcomes("validate", outcomes, source_of)
+    report.metrics.update(cut_turn_counts(rows))
     checks = record_checks + split_checks
     violations = contract_violations(cfg, report, checks)
     supervised = {"train": 0, "eval": 0}
@@ -184,6 +189,7 @@ def run(cfg: RunConfig) -> ValidateResult:
         "settings": {"max_length": cfg.validation.max_length, "eval_fraction": cfg.validation.eval_fraction,
                      "seed": cfg.validation.seed, "reasoning": cfg.regeneration.reasoning,
                      "conversation_id_pattern": cfg.validation.conversation_id_pattern,
+                     "cut_turns": cfg.validation.cut_turns,
                      "chat_template_hash": settings.chat_template_hash},
     })
     write_json(report_path, report)
@@ -199,6 +205,12 @@ def run(cfg: RunConfig) -> ValidateResult:
     write_jsonl(eval_path, [record for record, split in zip(records, splits) if split == "eval"])
     return ValidateResult(train_path, eval_path, contract_path, report_path, docs_dir, report,
                           splits.count("train"), splits.count("eval"), supervised["train"] + supervised["eval"])
+
+
+def cut_turn_counts(rows: list[DerivedRecord]) -> dict[str, float]:
+    """Assistant turns regeneration stopped at max_new_tokens, and the records holding them (all input lines)."""
+    per_record = [int(row.columns.get("cut_turns") or 0) for row in rows]
+    return {"cut_turns": float(sum(per_record)), "records_with_cut_turns": float(sum(1 for count in per_record if count))}
 
 
 # --- inputs -------------------------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from contract.chat_rendering import render_with_spans, spans_in_pretemplated, tokenize_with_mask
+from contract.chat_rendering import render_record, tokenize_with_mask
 from contract.config import RunConfig
-from contract.records import Message, PromptRecord, Provenance
+from contract.records import GenerationParams, Message, PromptRecord, Provenance, TurnGeneration
 from models.target_capture import capture_states, default_aux_layer_ids, resolve_aux_layer_ids
 from models.target_loading import load_target
 from models.vocab_mapping import build_vocab_mapping, count_tokens, load_vocab_mapping, mapping_hash
@@ -68,8 +68,7 @@ def make_run(tmp_path: Path, tiny_target_dir: Path, **capture_settings) -> RunCo
 
 
 def masked(tokenizer, item: PromptRecord):
-    rendered = spans_in_pretemplated(tokenizer, item.text) if item.text else render_with_spans(tokenizer, item.messages)
-    return tokenize_with_mask(tokenizer, rendered, MAX_LENGTH)
+    return tokenize_with_mask(tokenizer, render_record(tokenizer, item, "no_end"), MAX_LENGTH)
 
 
 @pytest.fixture(scope="module")
@@ -310,3 +309,44 @@ def test_manifest_of_another_run_is_refused_naming_the_field(tmp_path: Path, tin
     compact.capture.mode = "compact"
     with pytest.raises(ValueError, match=r"'mode': expected 'compact', found 'lossless'"):
         check_manifest(manifest, compact, info)
+
+
+def cut_record(finish_reasons: list[str]) -> PromptRecord:
+    """Two answered turns, regenerated with the given finish reasons ('length': stopped at max_new_tokens)."""
+    item = record("chat:cut", ("user", "Tell me a story.", None), ("assistant", "A small bird learns to", True),
+                  ("user", "And then?", None), ("assistant", "It flies over the sea.", True))
+    turns = [TurnGeneration(turn=index, finish_reason=reason, completion_tokens=5)
+             for index, reason in zip((1, 3), finish_reasons)]
+    generation = GenerationParams(backend="openai", model_id="tiny", model_revision="r", template_hash="t",
+                                  temperature=0.0, top_p=1.0, max_new_tokens=5, seed=0, reasoning="off",
+                                  stop_tokens=[], turns=turns)
+    return item.model_copy(update={"generation": generation})
+
+
+def supervised_text(tokenizer, item: PromptRecord, cut_turns: str) -> list[str]:
+    sample = tokenize_with_mask(tokenizer, render_record(tokenizer, item, cut_turns), MAX_LENGTH)
+    return [tokenizer.decode([token]) for token, mask in zip(sample.input_ids, sample.loss_mask) if mask]
+
+
+def test_a_turn_cut_at_max_new_tokens_is_supervised_without_an_end_of_turn(tiny_target_dir: Path) -> None:
+    """The target never ended the first turn where regeneration stopped it: no_end supervises its text but not
+    the <|im_end|> after it; the finished second turn keeps its end of turn; as_finished supervises both ends."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    item = cut_record(["length", "stop"])
+    no_end, as_finished = supervised_text(tokenizer, item, "no_end"), supervised_text(tokenizer, item, "as_finished")
+    assert no_end.count("<|im_end|>") == 1 and as_finished.count("<|im_end|>") == 2
+    assert [token for token in as_finished if token != "<|im_end|>"] == [token for token in no_end if token != "<|im_end|>"]
+    assert "".join(no_end).startswith("A small bird learns to") and no_end[-1] == "<|im_end|>"
+
+
+def test_capture_drops_or_keeps_records_with_cut_turns_as_configured(tmp_path: Path, tiny_target_dir: Path) -> None:
+    cfg = make_run(tmp_path, tiny_target_dir)
+    write_records(cfg.output_path / "data" / "train.jsonl", [*TRAIN, cut_record(["length", "stop"])])
+    kept = capture.run(cfg)
+    assert "chat:cut" not in {outcome.id for outcome in kept.report.outcomes if outcome.status != "ok"}
+    dropped = capture.run(cfg.model_copy(update={"validation": cfg.validation.model_copy(update={"cut_turns": "drop"})}))
+    reasons = {outcome.id: outcome.reason for outcome in dropped.report.outcomes if outcome.status == "skipped"}
+    assert "validation.cut_turns: drop" in reasons["chat:cut"]
+    assert dropped.manifest["splits"]["train"]["records"] == kept.manifest["splits"]["train"]["records"] - 1

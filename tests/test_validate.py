@@ -11,7 +11,7 @@ from typing import Optional
 import pytest
 
 from contract.config import RunConfig
-from contract.records import GenerationParams, Message, PromptRecord, Provenance
+from contract.records import GenerationParams, Message, PromptRecord, Provenance, TurnGeneration
 from tasks import target
 from tasks.data import split as data_split
 
@@ -444,3 +444,32 @@ def test_prompt_normalisation_and_conversation_ids() -> None:
     assert data_split.conversation_id(record("sharegpt:9f2c1a", None)) == "9f2c1a"
     assert data_split.conversation_id(record("sharegpt:HumanEval/0", "HumanEval/0")) == "HumanEval/0"
     assert data_split.conversation_id(record("x:a_1", "a_1"), r"^(?P<conversation>.+)$") == "a_1"
+
+
+def cut(record: PromptRecord, *turns: int) -> PromptRecord:
+    """The record with its assistant turns at `turns` marked as stopped at max_new_tokens (finish reason length)."""
+    finished = [TurnGeneration(turn=index, finish_reason="length" if index in turns else "stop", completion_tokens=4)
+                for index, message in enumerate(record.messages) if message.role == "assistant"]
+    generation = record.generation.model_copy(update={"turns": finished})
+    return record.model_copy(update={"generation": generation})
+
+
+def test_turns_cut_at_max_new_tokens_are_counted_and_dropped_only_when_asked(tmp_path: Path, materialised: Path,
+                                                                           chat_hash: str) -> None:
+    from tasks import validate
+
+    records = clean_records(chat_hash)
+    records[0] = cut(records[0], 1)
+    records[2] = cut(records[2], 1, 3)
+    kept = prepare(tmp_path / "kept", materialised, records)
+    result = validate.run(kept)
+    report = json.loads((kept.output_path / "data" / "validate_report.json").read_text())
+    assert report["metrics"]["cut_turns"] == 3 and report["metrics"]["records_with_cut_turns"] == 2
+    assert result.report.skipped == 0 and expectation(contract_of(kept), "cut_turns_allowed")["passed"]
+
+    dropped = prepare(tmp_path / "dropped", materialised, records, cut_turns="drop")
+    result = validate.run(dropped)
+    outcomes = outcomes_by_id(dropped)
+    assert {key for key, outcome in outcomes.items() if outcome["status"] == "skipped"} == {"chats:hello", "chats:story"}
+    assert "cut_turns_allowed" in outcomes["chats:hello"]["reason"]
+    assert expectation(contract_of(dropped), "cut_turns_allowed")["unexpected_count"] == 2

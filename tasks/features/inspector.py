@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contract.chat_rendering import render_with_spans, spans_in_pretemplated, tokenize_with_mask
+from contract.chat_rendering import CutTurns, render_record, tokenize_with_mask
 from contract.config import RunConfig
 from contract.records import PromptRecord
 
@@ -54,8 +54,8 @@ def find_record(cfg: RunConfig, sample_id: str) -> tuple[PromptRecord, Path]:
     raise KeyError(f"no record with id '{sample_id}' in {where}")
 
 
-def inspection_rows(tokenizer: Any, record: PromptRecord, max_length: int) -> list[TokenRow]:
-    rendered = spans_in_pretemplated(tokenizer, record.text) if record.text is not None else render_with_spans(tokenizer, record.messages)
+def inspection_rows(tokenizer: Any, record: PromptRecord, max_length: int, cut_turns: CutTurns = "no_end") -> list[TokenRow]:
+    rendered = render_record(tokenizer, record, cut_turns)
     sample = tokenize_with_mask(tokenizer, rendered, max_length)
     return [
         TokenRow(position, token_id, tokenizer.decode([token_id]), mask)

@@ -1,7 +1,7 @@
 """Records on their way to features: tokenised and masked, with the draft vocabulary built from the train split.
 
-Each record of `data/{train,eval}.jsonl` is rendered and masked by contract/chat_rendering (pre-templated
-`text` through `spans_in_pretemplated`) and truncated to `validation.max_length`, exactly as validate and
+Each record of `data/{train,eval}.jsonl` is rendered and masked by contract/chat_rendering (`render_record`,
+with `validation.cut_turns` for turns the target did not finish) and truncated to `validation.max_length`, exactly as validate and
 `eaglet inspect` do. Records without a supervised token become skipped outcomes with a reason. The capture
 stage writes shards from these samples; online training (tasks/features/online.py) captures from them per batch.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contract.chat_rendering import TemplateError, render_with_spans, spans_in_pretemplated, tokenize_with_mask
+from contract.chat_rendering import CutTurns, TemplateError, render_record, tokenize_with_mask, unfinished_turns
 from contract.config import RunConfig
 from contract.records import Outcome, read_prompt_records
 from models.target_capture import resolve_aux_layer_ids
@@ -64,7 +64,7 @@ def prepare_inputs(cfg: RunConfig) -> CaptureInputs:
     source_of: dict[str, str] = {}
     for split in SPLITS:
         samples[split] = prepare_split(out / "data" / f"{split}.jsonl", split, tokenizer, cfg.validation.max_length,
-                                       info.vocab_size, outcomes, source_of)
+                                       info.vocab_size, outcomes, source_of, cfg.validation.cut_turns)
     counts = count_tokens(((s.input_ids, s.loss_mask) for s in samples["train"]), info.vocab_size)
     mapping = build_vocab_mapping(counts, info.vocab_size, cfg.capture.draft_vocab_size)
     vocab_path = out / "vocab" / "vocab_mapping.safetensors"
@@ -76,7 +76,7 @@ def prepare_inputs(cfg: RunConfig) -> CaptureInputs:
 
 
 def prepare_split(path: Path, split: str, tokenizer: Any, max_length: int, vocab_size: int,
-                  outcomes: list[Outcome], source_of: dict[str, str]) -> list[Sample]:
+                  outcomes: list[Outcome], source_of: dict[str, str], cut_turns: CutTurns = "no_end") -> list[Sample]:
     """Tokenise and mask every record of one split; non-ok records become outcomes with a reason.
     validate wrote the file, so a line that is not a PromptRecord is a hard error."""
     if not path.is_file():
@@ -85,9 +85,13 @@ def prepare_split(path: Path, split: str, tokenizer: Any, max_length: int, vocab
     for number, record in read_prompt_records(path):
         key = f"{split}.jsonl:{number}"
         source_of[key] = record.source
+        if cut_turns == "drop" and unfinished_turns(record):
+            outcomes.append(Outcome(key=key, id=record.id, status="skipped",
+                                    reason="an assistant turn was cut at regeneration.max_new_tokens "
+                                    "(validation.cut_turns: drop)"))
+            continue
         try:
-            rendered = (spans_in_pretemplated(tokenizer, record.text) if record.text is not None
-                        else render_with_spans(tokenizer, record.messages))
+            rendered = render_record(tokenizer, record, cut_turns)
             sample = tokenize_with_mask(tokenizer, rendered, max_length)
         except TemplateError as error:
             outcomes.append(Outcome(key=key, id=record.id, status="error", reason=f"template: {error}"))
