@@ -124,7 +124,19 @@ class ValidationConfig(Section):
     max_length: int = Field(default=2048, ge=8)
     eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     seed: int = 0
-    max_error_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    max_error_fraction: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="cap on the errors of ingest + regenerate + validate over the pipeline's input (ingest's ok + "
+        "error items; what it skipped on purpose, beyond a limit or duplicated, is not input)")
+    min_train_records: int = Field(
+        default=1, ge=0,
+        description="fewest records the train split may keep; 1 by default because an empty split is never a result "
+        "(skipped records are no errors: a max_length shorter than every prompt skips them all) while any larger "
+        "floor depends on the run: set it in the recipe")
+    min_supervised_tokens: int = Field(
+        default=1, ge=0,
+        description="fewest supervised tokens the train split may keep after truncation to max_length; 1 by default "
+        "for the same reason as min_train_records")
     expectation_thresholds: dict[str, float] = Field(
         default_factory=dict,
         description="per-expectation cap on the fraction of input lines failing it, by expectation name "

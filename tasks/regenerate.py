@@ -10,6 +10,11 @@ batches in-process, so it goes by chunks: turn k of every record of a chunk toge
 Finished records are committed to a journal every `chunk_records`, so a killed run resumes without loss
 or duplicates.
 
+A server that refuses a request (a 4xx not worth retrying) costs that record an error. One that refuses
+REFUSAL_STREAK finished requests in a row refuses everything (wrong model name, credentials or endpoint), so
+the stage stops with ServerRefusedError carrying the URL and the first refusal instead of marking every
+record an error; what finished is kept in the journal, except the refused records, which a rerun sends again.
+
 Writes `data/regenerated.jsonl` (records with their generation parameters) and
 `data/regenerate_report.json` (every input id: ok, error + reason, or skipped + reason; tokens/s).
 """
@@ -30,13 +35,55 @@ from contract.reasoning import ReasoningError, split_reasoning
 from contract.records import (GenerationParams, Message, Outcome, PromptRecord, StageReport, TurnGeneration,
                               read_prompt_records)
 from tasks.common.artifacts import read_json, write_json, write_jsonl
-from tasks.data.generation import GenerationRequest, Generator
+from tasks.data.generation import GenerationReply, GenerationRequest, Generator
 from tasks.data.journal import Journal
 from tasks.common.progress import advance, progress_bar
 
 
+REFUSAL_STREAK = 8  # finished requests refused in a row that stop the stage (any other reply ends a streak)
+
+
 class PlanError(ValueError):
     """A record whose turns cannot be regenerated; the message is its error reason."""
+
+
+class ServerRefusedError(RuntimeError):
+    """The server refused REFUSAL_STREAK requests in a row: every request is wrong, not one record."""
+
+
+@dataclass
+class RefusalWatch:
+    """The current streak of refused requests (in the order they finish) and the records in it.
+
+    Any other reply ends a streak shorter than REFUSAL_STREAK; once one reaches it, `stopped` stays set. The
+    records of the current streak are held back from the journal: an occasional refusal is committed as that
+    record's error once its streak ends, but after a stop a rerun must send them again.
+    """
+
+    url: str
+    in_a_row: int = 0
+    first_refusal: Optional[str] = None
+    held_keys: set[str] = field(default_factory=set)
+    stopped: bool = False
+
+    def observe(self, key: str, reply: GenerationReply) -> None:
+        if reply.refused:
+            if self.in_a_row == 0:
+                self.first_refusal = reply.error
+            self.in_a_row += 1
+            self.held_keys.add(key)
+            self.stopped = self.stopped or self.in_a_row >= REFUSAL_STREAK
+        elif not self.stopped:
+            self.in_a_row = 0
+            self.first_refusal = None
+            self.held_keys.clear()
+
+    def error(self) -> ServerRefusedError:
+        return ServerRefusedError(
+            f"regeneration stopped: {self.url} refused {self.in_a_row} requests in a row (REFUSAL_STREAK = "
+            f"{REFUSAL_STREAK}), so it refuses every request; the first refusal: {self.first_refusal}. Records "
+            f"finished before are kept in the journal; fix the model name, credentials, endpoint or server and rerun "
+            f"to resume.")
 
 
 @dataclass
@@ -259,32 +306,51 @@ async def stream_records_async(todo: list[tuple[str, PromptRecord]], generator, 
     settings = cfg.regeneration
     waiting = iter(todo)
     finished: list[dict[str, Any]] = []
+    watch = RefusalWatch(f"{generator.base_url}/chat/completions")
     started = time.perf_counter()
     async with generator.client() as client:
 
         async def worker() -> None:
             for key, record in waiting:
-                finished.append(await regenerate_record(key, record, generator, client, settings, params, stats))
+                entry = await regenerate_record(key, record, generator, client, settings, params, stats, watch)
+                if entry is not None:
+                    finished.append(entry)
+                if watch.stopped:
+                    return
                 if len(finished) >= settings.chunk_records:
-                    batch = by_line(finished)
-                    finished.clear()
-                    commit(batch)
+                    commit_ready(finished, watch.held_keys, commit)
 
         await asyncio.gather(*(worker() for _ in range(min(settings.concurrency, len(todo)))))
+    if watch.stopped:
+        commit_ready(finished, watch.held_keys, commit)
+        raise watch.error()
     if finished:
         commit(by_line(finished))
     stats["generation_seconds"] += time.perf_counter() - started
 
 
-async def regenerate_record(key: str, record: PromptRecord, generator, client, settings,
-                            params: GenerationParams, stats: dict[str, float]) -> dict[str, Any]:
-    """One record's assistant turns in order, each sent as soon as the turn before it is written."""
+def commit_ready(finished: list[dict[str, Any]], held_keys: set[str],
+                 commit: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Commit the finished entries except those of a refusal streak still going, which stay in `finished`."""
+    ready = [entry for entry in finished if entry["key"] not in held_keys]
+    finished[:] = [entry for entry in finished if entry["key"] in held_keys]
+    if ready:
+        commit(by_line(ready))
+
+
+async def regenerate_record(key: str, record: PromptRecord, generator, client, settings, params: GenerationParams,
+                            stats: dict[str, float], watch: RefusalWatch) -> Optional[dict[str, Any]]:
+    """One record's assistant turns in order, each sent as soon as the turn before it is written; None when the
+    stage stopped before its last turn (a rerun does the record again)."""
     stats["records"] += 1
     item, entry = plan_record(key, record, settings.supervise, keep_responses=False)
     if item is None:
         return entry
     for turn in item.slots:
+        if watch.stopped:
+            return None
         reply = await generator.generate_one(client, turn_request(item, turn, settings.seed))
+        watch.observe(key, reply)
         stats["completion_tokens"] += reply.completion_tokens
         apply_reply(item, reply, settings.reasoning)
         if item.error is not None:

@@ -1,6 +1,7 @@
 """validate stage: the data contract of the regenerated records, enforced with Great Expectations.
 
-Reads `data/regenerated.jsonl`, the materialised `target/` (tokenizer + chat template) and `target.json`.
+Reads `data/regenerated.jsonl`, the materialised `target/` (tokenizer + chat template), `target.json` and the
+reports of ingest and regenerate (`data/ingest_report.json`, `data/regenerate_report.json`: the error budget).
 Each input line becomes one row of derived columns (expectations/record_checks.py) that the suite
 `expectations/regenerated_records.json` checks with real GX validations; a row failing an expectation
 whose `meta.on_failure` is `error` is an error outcome, one failing only `skipped` ones is skipped, both
@@ -10,9 +11,12 @@ both splits, eval requests honoured).
 
 Writes `data/train.jsonl`, `data/eval.jsonl`, `reports/data_docs/` (GX Data Docs), `reports/data_contract.json`
 (per expectation: passed, unexpected count, sample ids; totals) and `data/validate_report.json` (one outcome
-per input line: ok + error + skipped == input). When the error fraction exceeds
-`validation.max_error_fraction`, an expectation exceeds its `validation.expectation_thresholds` entry, or a
-`fail` expectation fails, it raises DataContractError after writing the reports (and no train/eval files).
+per input line: ok + error + skipped == input). The error budget counts the errors of ingest, regenerate and
+validate over the pipeline's input (tasks/data/error_budget.py). When that fraction exceeds
+`validation.max_error_fraction`, an expectation exceeds its `validation.expectation_thresholds` entry, a `fail`
+expectation fails, or the train split keeps fewer than `validation.min_train_records` records or
+`validation.min_supervised_tokens` supervised tokens after truncation, it raises DataContractError after writing
+the reports (and no train/eval files).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from expectations.record_checks import CheckSettings, DerivedRecord, derive
 from tasks.common.artifacts import atomic_directory, write_json, write_jsonl
 from tasks.common.target_info import load_tokenizer, read_target_info
 from tasks.data import split as data_split
+from tasks.data.error_budget import ErrorBudget, read_upstream_reports
 
 EXPECTATIONS_DIR = Path(__file__).resolve().parent.parent / "expectations"
 RECORD_SUITE = "regenerated_records"
@@ -134,6 +139,7 @@ def run(cfg: RunConfig) -> ValidateResult:
     check_threshold_names(cfg, suites[RECORD_SUITE])
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no regenerated records; run the regenerate stage first")
+    upstream = read_upstream_reports(data_dir)
     target_info = read_target_info(out)
     tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
 
@@ -165,11 +171,13 @@ def run(cfg: RunConfig) -> ValidateResult:
     source_of = {row.key: row.record.source if row.record is not None else "unparsed" for row in rows}
     report = StageReport.from_outcomes("validate", outcomes, source_of)
     report.metrics.update(cut_turn_counts(rows))
+    budget = ErrorBudget({**upstream, "validate": report}, cfg.validation.max_error_fraction)
     checks = record_checks + split_checks
-    violations = contract_violations(cfg, report, checks)
     supervised = {"train": 0, "eval": 0}
     for row, split in zip(ok_rows, splits):
         supervised[split] += int(row.columns["supervised_tokens"] or 0)
+    violations = (contract_violations(cfg, budget, checks)
+                  + train_size_violations(cfg, report, splits.count("train"), supervised["train"]))
 
     contract_path = reports_dir / "data_contract.json"
     report_path = data_dir / "validate_report.json"
@@ -183,8 +191,11 @@ def run(cfg: RunConfig) -> ValidateResult:
             "train": splits.count("train"), "eval": splits.count("eval"),
             "supervised_tokens": {**supervised, "total": supervised["train"] + supervised["eval"]},
         },
+        "error_budget": budget.as_json(),
         "thresholds": {"max_error_fraction": cfg.validation.max_error_fraction,
-                       "error_fraction": report.error / report.input if report.input else 0.0,
+                       "error_fraction": budget.fraction,
+                       "min_train_records": cfg.validation.min_train_records,
+                       "min_supervised_tokens": cfg.validation.min_supervised_tokens,
                        "expectation_thresholds": dict(cfg.validation.expectation_thresholds)},
         "settings": {"max_length": cfg.validation.max_length, "eval_fraction": cfg.validation.eval_fraction,
                      "seed": cfg.validation.seed, "reasoning": cfg.regeneration.reasoning,
@@ -387,21 +398,18 @@ def decide_outcomes(rows: list[DerivedRecord], checks: list[ExpectationOutcome])
     return outcomes, ok_rows
 
 
-def contract_violations(cfg: RunConfig, report: StageReport, checks: list[ExpectationOutcome]) -> list[str]:
-    """Why the stage must fail (empty when it passes)."""
+def contract_violations(cfg: RunConfig, budget: ErrorBudget, checks: list[ExpectationOutcome]) -> list[str]:
+    """Why the records break the contract (empty when they keep it): the error budget and the expectations."""
     violations = []
+    report = budget.reports["validate"]
 
     def described(check: ExpectationOutcome) -> str:
         examples = ", ".join(check.sample_ids[:EXAMPLE_IDS])
         return f"{check.name} ({check.unexpected_count} failing, e.g. {examples})" if examples else check.name
 
-    error_fraction = report.error / report.input if report.input else 0.0
-    if error_fraction > cfg.validation.max_error_fraction:
-        failing = [described(check) for check in checks if check.on_failure == "error" and not check.passed]
-        violations.append(
-            f"error fraction {report.error}/{report.input} = {error_fraction:.4f} exceeds validation.max_error_fraction "
-            f"{cfg.validation.max_error_fraction}: " + "; ".join(failing)
-        )
+    if budget.exceeded:
+        violations.append(budget.violation([described(check) for check in checks
+                                            if check.on_failure == "error" and not check.passed]))
     for check in checks:
         cap = cfg.validation.expectation_thresholds.get(check.name)
         fraction = check.unexpected_count / report.input if report.input else 0.0
@@ -413,4 +421,20 @@ def contract_violations(cfg: RunConfig, report: StageReport, checks: list[Expect
         elif check.on_failure == "fail" and not check.passed:
             observed = f" (observed {check.observed_value})" if check.observed_value is not None else ""
             violations.append(f"{described(check)}{observed}")
+    return violations
+
+
+def train_size_violations(cfg: RunConfig, report: StageReport, train_records: int, train_tokens: int) -> list[str]:
+    """A train split too small to learn from fails the stage, whatever emptied it: skipped records are no errors,
+    so a `max_length` shorter than every prompt would otherwise pass with nothing left."""
+    settings = cfg.validation
+    context = (f"after truncation to validation.max_length {settings.max_length}; of {report.input} input line(s), "
+               f"{report.skipped} skipped and {report.error} error(s)")
+    violations = []
+    if train_records < settings.min_train_records:
+        violations.append(f"validation.min_train_records: the train split has {train_records} record(s), fewer than "
+                          f"{settings.min_train_records} ({context})")
+    if train_tokens < settings.min_supervised_tokens:
+        violations.append(f"validation.min_supervised_tokens: the train split has {train_tokens} supervised token(s), "
+                          f"fewer than {settings.min_supervised_tokens} ({context})")
     return violations

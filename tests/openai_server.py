@@ -5,7 +5,8 @@
 It generates greedily with transformers (the same model the local backend runs). Failure injection answers
 the first N chat requests with `--fail-status`; `--scripted` maps a user prompt to a fixed reply
 (`content`, optional `reasoning_content`, optional `delay_s` before answering) to test how replies are parsed
-and scheduled. `GET /stats` counts chat requests and lists each one's last message in arrival order.
+and scheduled, or to a refusal (`status`, e.g. 400, and the error `message`, in vLLM's error body).
+`GET /stats` counts chat requests and lists each one's last message in arrival order.
 Binds 127.0.0.1 only.
 """
 
@@ -82,6 +83,11 @@ def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: 
             last_user = body["messages"][-1].get("content", "")
             with lock:
                 state["arrivals"].append(last_user)
+            if last_user in scripted and "status" in scripted[last_user]:
+                refusal = scripted[last_user]
+                self.send_json(int(refusal["status"]), {"object": "error", "message": refusal["message"],
+                                                        "type": "BadRequestError", "code": int(refusal["status"])})
+                return
             if last_user in scripted:
                 reply = scripted[last_user]
                 time.sleep(float(reply.get("delay_s", 0.0)))

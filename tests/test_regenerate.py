@@ -246,6 +246,40 @@ def test_transient_errors_are_retried_and_bad_requests_are_not(tmp_path: Path, t
     assert "gave up after 3 attempts, last: HTTP 503" in gave_up.report.outcomes[0].reason
 
 
+def test_a_server_refusing_most_requests_stops_the_stage_early(tmp_path: Path, tiny_target_dir: Path,
+                                                               serve_tiny) -> None:
+    prompts = [f"Question {n}?" for n in range(40)]
+    refusal = "The model `test-target` does not exist."
+    refusing = {prompt: {"content": f"Answer {n}."} if n < 2 else {"status": 404, "message": refusal}
+                for n, prompt in enumerate(prompts)}
+    (tmp_path / "refusing.json").write_text(json.dumps(refusing))
+    port = free_port()
+    server = serve_tiny("--scripted", str(tmp_path / "refusing.json"), port=port)
+    items = [{"id": f"q{n}", "messages": [{"role": "user", "content": prompt}]} for n, prompt in enumerate(prompts)]
+    cfg = openai_run(tmp_path / "run", tiny_target_dir, server.url, items, concurrency=2, chunk_records=1)
+    with pytest.raises(regenerate.ServerRefusedError) as raised:
+        regenerate.run(cfg)
+    message = str(raised.value)
+    assert f"{server.url}/chat/completions refused" in message and "HTTP 404" in message and refusal in message
+    assert server.chat_requests() <= 2 + regenerate.REFUSAL_STREAK + 1, "it stopped after a few of the 40 requests"
+    journal = cfg.output_path / "data" / "regenerate.journal.jsonl"
+    kept = [json.loads(line)["key"] for line in journal.read_text().splitlines()[1:]]
+    assert kept == ["prompts.jsonl:1", "prompts.jsonl:2"], "the answered records stay; the refused ones are not kept"
+    assert not (cfg.output_path / "data" / "regenerated.jsonl").exists()
+
+    server.stop()
+    answering = {prompt: {"content": f"Answer {n}."} for n, prompt in enumerate(prompts)}
+    answering[prompts[20]] = {"status": 400, "message": "this one prompt is rejected"}
+    (tmp_path / "answering.json").write_text(json.dumps(answering))
+    fixed = serve_tiny("--scripted", str(tmp_path / "answering.json"), port=port)
+    resumed = regenerate.run(cfg)
+    assert fixed.chat_requests() == 38, "the resume sends the refused records again, not the kept ones"
+    assert (resumed.report.ok, resumed.report.error) == (39, 1), "an occasional refusal is that record's error"
+    (error,) = [outcome for outcome in resumed.report.outcomes if outcome.status == "error"]
+    assert error.id == "chats:q20" and "not retried, HTTP 400" in error.reason
+    assert "this one prompt is rejected" in error.reason
+
+
 def test_server_stopped_mid_run_is_waited_for(tmp_path: Path, tiny_target_dir: Path, serve_tiny) -> None:
     port = free_port()
     server = serve_tiny(port=port)

@@ -11,7 +11,7 @@ from typing import Optional
 import pytest
 
 from contract.config import RunConfig
-from contract.records import GenerationParams, Message, PromptRecord, Provenance, TurnGeneration
+from contract.records import GenerationParams, Message, Outcome, PromptRecord, Provenance, StageReport, TurnGeneration
 from tasks import target
 from tasks.data import split as data_split
 
@@ -79,17 +79,29 @@ def clean_records(chat_hash: str) -> list[PromptRecord]:
     ]
 
 
+def write_upstream_reports(data_dir: Path, count: int) -> None:
+    """The reports of an ingest and a regenerate that passed `count` records on without an error (the error
+    budget reads them)."""
+    for stage in ("ingest", "regenerate"):
+        outcomes = [Outcome(key=f"{stage}:{number}", status="ok") for number in range(1, count + 1)]
+        report = StageReport.from_outcomes(stage, outcomes, {outcome.key: "chats" for outcome in outcomes})
+        (data_dir / f"{stage}_report.json").write_text(report.model_dump_json())
+
+
 def prepare(tmp_path: Path, materialised: Path, items: list, **validation) -> RunConfig:
-    """An output dir holding the materialised target and a regenerated.jsonl of `items` (records or raw lines)."""
+    """An output dir holding the materialised target, a regenerated.jsonl of `items` (records or raw lines) and
+    error-free upstream reports."""
     out = tmp_path / "out"
     (out / "data").mkdir(parents=True)
     (out / "target").symlink_to(materialised / "target", target_is_directory=True)
     shutil.copy(materialised / "target.json", out / "target.json")
     lines = [item if isinstance(item, str) else item.model_dump_json(exclude_none=True) for item in items]
     (out / "data" / "regenerated.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    write_upstream_reports(out / "data", len(items))
     regeneration = validation.pop("regeneration", {})
+    data = validation.pop("data", {})
     return RunConfig.model_validate({"output_dir": str(out), "validation": validation, "regeneration": regeneration,
-                                     "model": {"source": "local", "path": str(materialised / "target")}})
+                                     "data": data, "model": {"source": "local", "path": str(materialised / "target")}})
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -98,6 +110,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def contract_of(cfg: RunConfig) -> dict:
     return json.loads((cfg.output_path / "reports" / "data_contract.json").read_text())
+
+
+def contract_of_dir(tmp_path: Path) -> dict:
+    """The data contract of the run prepare() set up under `tmp_path`."""
+    return json.loads((tmp_path / "out" / "reports" / "data_contract.json").read_text())
 
 
 def expectation(contract: dict, name: str) -> dict:
@@ -258,7 +275,8 @@ def test_reasoning_content_is_allowed_when_saved(tmp_path: Path, materialised: P
 
     records = [conv(chat_hash, "thought", user("Capital of Italy?"), bot("Rome.", reasoning="Italy's capital is Rome.")),
                conv(chat_hash, "raw-think", user("Capital of Spain?"), bot("<think>hmm</think>Madrid."))]
-    cfg = prepare(tmp_path, materialised, records, max_error_fraction=1.0, regeneration={"reasoning": "save"})
+    cfg = prepare(tmp_path, materialised, records, max_error_fraction=1.0, eval_fraction=0.0,
+                  regeneration={"reasoning": "save"})  # the one ok record stays in train (an empty one fails)
     result = validate.run(cfg)
     outcomes = outcomes_by_id(cfg)
     assert outcomes["chats:thought"]["status"] == "ok"
@@ -303,6 +321,108 @@ def test_error_fraction_above_threshold_raises_after_writing_reports(tmp_path: P
     assert outcomes_by_id(cfg)["chats:blank"]["status"] == "error"
     assert (cfg.output_path / "reports" / "data_docs" / "index.html").is_file()
     assert not stale.exists() and not (cfg.output_path / "data" / "eval.jsonl").exists(), "no train/eval beside a failed contract"
+
+
+def write_chats(path: Path) -> Path:
+    """Eleven input lines: eight clean conversations, one broken line (ingest's error), one that opens with an
+    answer (regenerate's error: nothing to regenerate it from) and a copy of the first (skipped by ingest: a
+    duplicate never enters the pipeline, so it is not part of the input)."""
+    clean = [{"id": f"q{n}", "messages": [{"role": "user", "content": f"What is {n} plus {n}?"},
+                                          {"role": "assistant", "content": f"It is {2 * n}."}]} for n in range(8)]
+    answer_first = {"id": "answer-first", "messages": [{"role": "assistant", "content": "Welcome."},
+                                                       {"role": "user", "content": "Hello?"}]}
+    lines = [json.dumps(item) for item in clean] + ['{"id": "broken", "messages": [', json.dumps(answer_first),
+                                                     json.dumps(clean[0])]
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def run_through_validate(tmp_path: Path, materialised: Path, max_error_fraction: float) -> RunConfig:
+    """ingest -> regenerate (the source's answers kept) -> validate over write_chats."""
+    from tasks import ingest, regenerate, validate
+
+    chats = tmp_path / "chats.jsonl"
+    cfg = prepare(tmp_path, materialised, [], max_error_fraction=max_error_fraction,
+                  regeneration={"enabled": False}, data={"sources": [{"name": "chats", "path": str(chats)}]})
+    write_chats(chats)
+    ingest.run(cfg)
+    regenerate.run(cfg)
+    validate.run(cfg)
+    return cfg
+
+
+def test_the_error_budget_counts_ingest_and_regenerate_errors_of_the_input(tmp_path: Path, materialised: Path) -> None:
+    """Two of ten input lines never reach validate; over validate's eight survivors the run would look clean."""
+    from tasks import validate
+
+    with pytest.raises(validate.DataContractError) as raised:
+        run_through_validate(tmp_path / "strict", materialised, max_error_fraction=0.1)
+    message = str(raised.value)
+    assert "error fraction 2/10 = 0.2000 of the pipeline's input (ingest ok + error) exceeds " \
+           "validation.max_error_fraction 0.1 (errors: ingest 1, regenerate 1, validate 0)" in message
+    assert "ingest: 1 error(s), e.g.\n    chats/" in message and "chats.jsonl:9: " in message
+    assert ("regenerate: 1 error(s), e.g.\n    chats:answer-first: an assistant turn comes before the first user "
+            "turn") in message
+    budget = contract_of_dir(tmp_path / "strict")["error_budget"]
+    assert budget["stages"]["ingest"] == {"input": 11, "ok": 9, "error": 1, "skipped": 1}
+    assert budget["stages"]["regenerate"] == {"input": 9, "ok": 8, "error": 1, "skipped": 0}
+    assert budget["stages"]["validate"] == {"input": 8, "ok": 8, "error": 0, "skipped": 0}
+    assert (budget["errors"], budget["pipeline_input"], budget["error_fraction"]) == (2, 10, 0.2)
+    assert budget["passed"] is False
+
+    lenient = run_through_validate(tmp_path / "lenient", materialised, max_error_fraction=0.2)
+    contract = contract_of(lenient)
+    assert contract["passed"] and contract["error_budget"]["passed"]
+    assert contract["thresholds"]["error_fraction"] == contract["error_budget"]["error_fraction"] == 0.2
+    assert contract["totals"]["train"] + contract["totals"]["eval"] == 8
+
+
+def test_a_missing_upstream_report_is_named(tmp_path: Path, materialised: Path, chat_hash: str) -> None:
+    from tasks import validate
+
+    cfg = prepare(tmp_path, materialised, clean_records(chat_hash)[:2])
+    (cfg.output_path / "data" / "regenerate_report.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"regenerate_report\.json: no regenerate report.*run the regenerate"):
+        validate.run(cfg)
+
+
+def test_a_train_split_below_its_floor_fails_naming_the_field(tmp_path: Path, materialised: Path,
+                                                              chat_hash: str) -> None:
+    from tasks import validate
+
+    records = clean_records(chat_hash)
+    few = prepare(tmp_path / "records", materialised, records, min_train_records=100)
+    with pytest.raises(validate.DataContractError,
+                       match=r"validation\.min_train_records: the train split has [1-7] record\(s\), fewer than 100"):
+        validate.run(few)
+    assert contract_of(few)["thresholds"]["min_train_records"] == 100
+    short = prepare(tmp_path / "tokens", materialised, records, min_supervised_tokens=10**6)
+    with pytest.raises(validate.DataContractError) as raised:
+        validate.run(short)
+    train_tokens = contract_of(short)["totals"]["supervised_tokens"]["train"]
+    assert 0 < train_tokens < 10**6
+    assert (f"validation.min_supervised_tokens: the train split has {train_tokens} supervised token(s), fewer than "
+            f"1000000") in str(raised.value)
+    assert "min_train_records" not in str(raised.value)
+
+
+def test_a_max_length_shorter_than_every_prompt_fails_with_nothing_left(tmp_path: Path, materialised: Path,
+                                                                        chat_hash: str) -> None:
+    """Every record is skipped (no supervised token within max_length), and skipped records are no errors: the
+    error budget alone would pass an empty train split."""
+    from tasks import validate
+
+    cfg = prepare(tmp_path, materialised, clean_records(chat_hash), max_length=8)
+    with pytest.raises(validate.DataContractError) as raised:
+        validate.run(cfg)
+    message = str(raised.value)
+    assert ("validation.min_train_records: the train split has 0 record(s), fewer than 1 (after truncation to "
+            "validation.max_length 8; of 7 input line(s), 7 skipped and 0 error(s))") in message
+    assert "validation.min_supervised_tokens: the train split has 0 supervised token(s), fewer than 1" in message
+    contract = contract_of(cfg)
+    assert contract["error_budget"]["passed"] and not contract["passed"]
+    assert (contract["totals"]["skipped"], contract["totals"]["train"]) == (7, 0)
+    assert not (cfg.output_path / "data" / "train.jsonl").exists()
 
 
 def test_per_expectation_threshold_fails_on_skipped_records(tmp_path: Path, materialised: Path, chat_hash: str) -> None:

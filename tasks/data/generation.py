@@ -18,6 +18,9 @@ class GenerationRequest:
 
 @dataclass
 class GenerationReply:
+    """One answered turn, or its error. `refused`: the server answered with a status not worth retrying (a 4xx
+    other than 408/409/425/429): the request itself is wrong, so many in a row stop the regenerate stage."""
+
     record_id: str
     turn: int
     text: Optional[str] = None
@@ -25,6 +28,7 @@ class GenerationReply:
     finish_reason: str = ""
     completion_tokens: int = 0
     error: Optional[str] = None
+    refused: bool = False
 
 
 class Generator(Protocol):

@@ -3,7 +3,8 @@
 Requests run concurrently up to a limit. `generate` answers a list at once (a round of turns); the
 regenerate stage instead streams records through `generate_one`, so each record's next turn is sent the
 moment its previous one returns and the engine's batch never drains between rounds. Transient failures (429, 5xx, connection errors, timeouts) are
-retried with exponential backoff; a 4xx bad request is not retried, since sending it again cannot help.
+retried with exponential backoff; a 4xx bad request is not retried, since sending it again cannot help: its reply
+is marked `refused`, and the regenerate stage stops when the server refuses every request (tasks/regenerate.py).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class OpenAIGenerator:
                 return self.reply_from(request, response.json())
             last_problem = f"HTTP {response.status_code}: {response.text[:300]}"
             if response.status_code < 500 and response.status_code not in RETRYABLE_STATUS:
-                return GenerationReply(request.record_id, request.turn, error=f"not retried, {last_problem}")
+                return GenerationReply(request.record_id, request.turn, error=f"not retried, {last_problem}",
+                                       refused=True)
         attempts = self.settings.max_retries + 1
         return GenerationReply(request.record_id, request.turn, error=f"gave up after {attempts} attempts, last: {last_problem}")
 
