@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from contract.config import RunConfig
 from contract.config_loading import config_as_yaml
-from flows.cli_common import ConfigOption, OverridesArgument, console, load_or_exit
+from flows.cli_common import ConfigOption, OverridesArgument, check_or_exit, console, load_or_exit
 from flows.deployments import add_deploy_command
 from flows.registry_cli import add_registry_commands
 from flows.stages import STAGE_ORDER
@@ -48,8 +49,11 @@ def config_show(config: Optional[Path] = ConfigOption, overrides: Optional[list[
 
 @config_app.command("validate")
 def config_validate(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument) -> None:
-    """Check a config; exit 2 naming every bad field."""
+    """Check a config, and it against this machine and its target; exit 2 naming every bad field."""
     cfg = load_or_exit(config, overrides)
+    report = check_or_exit(cfg, config)
+    for unchecked in report.not_checked:
+        console.print(f"[yellow]not checked yet[/yellow]: {escape(unchecked)}", highlight=False, soft_wrap=True)
     console.print(f"[green]ok[/green]: {config or '<defaults>'} is a valid run config (run_id {cfg.run_id})")
 
 
@@ -69,6 +73,7 @@ def stage(
     except KeyError as error:
         console.print(f"[red]{error.args[0]}[/red]")
         raise typer.Exit(code=2) from None
+    check_or_exit(cfg, config)
     try:
         with tracked_run(cfg, run_name=f"{cfg.run_id}/{name}", tags={"eaglet.kind": "stage", "eaglet.stage": name}) as tracker:
             result = function(cfg)
@@ -124,6 +129,7 @@ def run(
     from flows.pipeline import pipeline
 
     cfg = load_or_exit(config, overrides)
+    check_or_exit(cfg, config)
     selected = stages.split(",") if stages else None
     summaries = pipeline(str(config) if config else None, overrides or [], selected, use_cache=not no_cache)
     print_summaries(summaries)

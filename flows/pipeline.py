@@ -3,8 +3,9 @@
 Each stage's result is persisted under `<output_dir>/.prefect-results` and cached on the stage's inputs as
 dvc.yaml lists them (flows/stage_cache.py), so a rerun skips every stage whose inputs and outputs are
 unchanged (its task run ends in state "Cached") and DVC would agree it is up to date. Only failures a retry
-can cure are retried: an engine that did not start, an HTTP server that refused or did not answer. A
-failure stops the flow with an error naming the stage; what the stages before it wrote stays on disk.
+can cure are retried: an engine that did not start, an HTTP server that refused or did not answer (an engine
+whose python is missing is not). A failure stops the flow with an error naming the stage; what the stages
+before it wrote stays on disk.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from contract.config_loading import load_config
 from flows.stage_cache import outputs_unchanged, record_outputs, results_dir, stage_cache_key
 from flows.stages import StageResult, select_stages, stage_function
 from flows.tracking import tracked_run
-from tasks.serving.engine import EngineStartError
+from tasks.serving.engine import EngineMissing, EngineStartError
 from tasks.data.generation_openai import RETRYABLE_STATUS
 
 #: Attempts after the first, and the pause before each: time for a port or GPU memory to be released.
@@ -52,7 +53,10 @@ class StageInputs(CachePolicy):
 
 
 def is_transient(error: object) -> bool:
-    """An engine that did not start, or an HTTP failure other than a 4xx saying the request itself is wrong."""
+    """An engine that did not start, or an HTTP failure other than a 4xx saying the request itself is wrong.
+    An engine whose python, model or draft is missing (EngineMissing) stays missing however often it is tried."""
+    if isinstance(error, EngineMissing):
+        return False
     if isinstance(error, httpx.HTTPStatusError):
         status = error.response.status_code
         return status >= 500 or status in RETRYABLE_STATUS
