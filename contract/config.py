@@ -10,7 +10,10 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+#: Decoder layers whose outputs the drafter fuses: its `fc` is Linear(3 * hidden -> hidden) (models/eagle3.py).
+AUX_LAYER_COUNT = 3
 
 
 class Section(BaseModel):
@@ -185,6 +188,22 @@ class CaptureConfig(Section):
     compact_topk: int = Field(default=16, ge=1, description="teacher log-probs kept per position in compact mode")
     batch_size: int = Field(default=8, ge=1, description="records per target forward pass (right-padded)")
 
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_ascending_layers(cls, ids: Optional[list[int]]) -> Optional[list[int]]:
+        """The drafter's fc fuses exactly three layers, and engines capture each layer once, in layer order.
+        Whether the ids lie within the target is checked once the target is known (flows/preflight.py)."""
+        if ids is None:
+            return ids
+        if len(ids) != AUX_LAYER_COUNT:
+            raise ValueError(f"needs exactly {AUX_LAYER_COUNT} decoder layer ids (the drafter's fc is "
+                             f"Linear({AUX_LAYER_COUNT} x hidden -> hidden)), got {len(ids)}: {ids}")
+        if min(ids) < 0:
+            raise ValueError(f"ids are 0-indexed decoder layers, got {ids}")
+        if any(later <= earlier for earlier, later in zip(ids, ids[1:])):
+            raise ValueError(f"must be strictly ascending (engines capture each layer once, in order), got {ids}")
+        return ids
+
 
 class TrainingConfig(Section):
     mode: Literal["offline", "online"] = "offline"
@@ -220,14 +239,46 @@ class TrainingConfig(Section):
         return "none" if value is None else value
 
 
+def draft_tree_capacity(steps: int, topk: int) -> int:
+    """The most tokens one verify round of a draft tree holds, root included: 1 + topk + (steps - 1) * topk^2.
+
+    SGLang's EAGLE drafting scores topk candidates at depth 1 and topk * topk at each later depth (the children
+    of the topk nodes it expands), then verifies the best num_draft_tokens - 1 of them (`torch.topk` in
+    `organize_draft_results`, which fails at engine start-up when asked for more than were scored).
+    models/draft_tree.py drafts the same candidates, so the offline decoder has the same bound."""
+    return 1 + topk + (steps - 1) * topk * topk
+
+
+def check_tree_tokens(num_draft_tokens: Optional[int], info: ValidationInfo) -> Optional[int]:
+    """num_draft_tokens of a tree section (its steps and topk validated before it), or why no tree verifies it.
+
+    A chain (topk 1) always verifies steps + 1 (SGLang overrides any other value), so only trees are checked."""
+    steps, topk = info.data.get("steps"), info.data.get("topk")
+    if num_draft_tokens is None or steps is None or topk is None or topk == 1:
+        return num_draft_tokens
+    capacity = draft_tree_capacity(steps, topk)
+    if not 2 <= num_draft_tokens <= capacity:
+        raise ValueError(f"{num_draft_tokens} cannot be verified by a tree of steps {steps} x topk {topk}: it "
+                         f"verifies 2..{capacity} tokens per round (the root and the best of its {capacity - 1} "
+                         f"drafted candidates, topk + (steps - 1) x topk^2)")
+    return num_draft_tokens
+
+
 class EvaluationConfig(Section):
     steps: int = Field(default=3, ge=1)
     topk: int = Field(default=1, ge=1)
-    num_draft_tokens: int = Field(default=4, ge=1)
+    num_draft_tokens: int = Field(
+        default=4, ge=1, description="tokens the tree (topk > 1) verifies per round, root included; the chain "
+        "always verifies steps + 1")
     max_new_tokens: int = Field(default=128, ge=1)
     max_prompts: Optional[int] = Field(default=None, ge=1, description="held-out records used (evenly spaced)")
     sources: Optional[list[str]] = Field(default=None, description="only held-out records of these sources")
     temperature: float = Field(default=0.0, ge=0.0)
+
+    @field_validator("num_draft_tokens")
+    @classmethod
+    def _fits_the_tree(cls, num_draft_tokens: int, info: ValidationInfo) -> int:
+        return check_tree_tokens(num_draft_tokens, info)
 
 
 class DraftTreeConfig(Section):
@@ -236,15 +287,14 @@ class DraftTreeConfig(Section):
 
     steps: int = Field(ge=1)
     topk: int = Field(default=4, ge=2)
-    num_draft_tokens: Optional[int] = Field(default=None, ge=2, description="None: the whole tree, steps * topk + 1")
+    num_draft_tokens: Optional[int] = Field(
+        default=None, ge=2, description="None: steps * topk + 1 (the topk kept at every depth and the root); at most "
+        "1 + topk + (steps - 1) * topk^2 (draft_tree_capacity)")
 
-    @model_validator(mode="after")
-    def _fits_the_tree(self) -> "DraftTreeConfig":
-        whole = self.steps * self.topk + 1
-        if self.num_draft_tokens is not None and self.num_draft_tokens > whole:
-            raise ValueError(f"benchmark.sglang_trees: num_draft_tokens {self.num_draft_tokens} is more than the tree "
-                             f"of steps {self.steps} x topk {self.topk} holds ({whole} with the root)")
-        return self
+    @field_validator("num_draft_tokens")
+    @classmethod
+    def _fits_the_tree(cls, num_draft_tokens: Optional[int], info: ValidationInfo) -> Optional[int]:
+        return check_tree_tokens(num_draft_tokens, info)
 
 
 class BenchmarkConfig(Section):

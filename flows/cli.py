@@ -26,7 +26,7 @@ from rich.table import Table
 
 from contract.config import RunConfig
 from contract.config_loading import config_as_yaml
-from flows.cli_common import ConfigOption, OverridesArgument, console, load_or_exit
+from flows.cli_common import ConfigOption, OverridesArgument, check_or_exit, console, load_or_exit
 from flows.deployments import add_deploy_command
 from flows.registry_cli import add_registry_commands
 from flows.stages import STAGE_ORDER
@@ -51,8 +51,11 @@ def config_show(config: Optional[Path] = ConfigOption, overrides: Optional[list[
 
 @config_app.command("validate")
 def config_validate(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument) -> None:
-    """Check a config; exit 2 naming every bad field."""
+    """Check a config, and it against this machine and its target; exit 2 naming every bad field."""
     cfg = load_or_exit(config, overrides)
+    report = check_or_exit(cfg, config)
+    for unchecked in report.not_checked:
+        console.print(f"[yellow]not checked yet[/yellow]: {escape(unchecked)}", highlight=False, soft_wrap=True)
     console.print(f"[green]ok[/green]: {config or '<defaults>'} is a valid run config (run_id {cfg.run_id})")
 
 
@@ -88,6 +91,7 @@ def stage(
     except KeyError as error:
         console.print(f"[red]{error.args[0]}[/red]")
         raise typer.Exit(code=2) from None
+    check_or_exit(cfg, config)
     try:
         with output_dir_lock(cfg.output_path, f"eaglet stage {name}"):
             with tracked_run(cfg, run_name=f"{cfg.run_id}/{name}", tags={"eaglet.kind": "stage", "eaglet.stage": name}) as tracker:
@@ -153,6 +157,7 @@ def run(
     from flows.pipeline import pipeline
 
     cfg = load_or_exit(config, overrides)
+    check_or_exit(cfg, config)
     selected = stages.split(",") if stages else None
     try:  # locked here too (the flow nests in it), so a refusal is one line, not a failed flow run
         with output_dir_lock(cfg.output_path, f"eaglet run ({stages or 'all stages'})"):

@@ -1,4 +1,4 @@
-"""What every `eaglet` command module shares: the console, the config options and loading a config.
+"""What every `eaglet` command module shares: the console, the config options, loading and checking a config.
 
 flows/cli.py builds the app and imports the command modules (flows/deployments.py, flows/registry_cli.py);
 they import this module, never flows/cli.py, so the CLI has no import circle.
@@ -11,9 +11,11 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from contract.config import RunConfig
 from contract.config_loading import ConfigError, load_config
+from flows.preflight import Preflight, preflight
 
 console = Console()
 
@@ -28,3 +30,15 @@ def load_or_exit(config: Optional[Path], overrides: Optional[list[str]]) -> RunC
     except ConfigError as error:
         console.print(f"[red]config error[/red]: {error}", markup=True, highlight=False)
         raise typer.Exit(code=2) from None
+
+
+def check_or_exit(cfg: RunConfig, config: Optional[Path]) -> Preflight:
+    """Check the config against this machine and its target (flows/preflight.py) before anything runs, or
+    print every problem and exit with status 2."""
+    report = preflight(cfg)
+    if report.problems:
+        listing = "\n".join(f"  - {escape(problem)}" for problem in report.problems)
+        console.print(f"[red]config error[/red]: {escape(str(config or '<defaults>'))}: this run cannot start "
+                      f"here:\n{listing}", markup=True, highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2)
+    return report

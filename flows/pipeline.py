@@ -3,11 +3,11 @@
 Each stage's result (its summary and report paths as plain JSON, flows/stage_records.py) is persisted under
 `<output_dir>/.prefect-results` and cached on the stage's inputs (flows/stage_cache.py), so a rerun skips
 every stage whose inputs and outputs are unchanged (its task run ends in state "Cached") and DVC would agree
-it is up to date. Only failures a retry
-can cure are retried: an engine that did not start, an HTTP server that refused or did not answer. A
-failure stops the flow with an error naming the stage; what the stages before it wrote stays on disk.
-The flow holds `<output_dir>/.eaglet.lock` while it runs (tasks/common/run_lock.py), so a scheduled run that
-overlaps another run on the same output_dir fails at once naming the holder.
+it is up to date. Only failures a retry can cure are retried: an engine that did not start, an HTTP server
+that refused or did not answer (an engine whose python is missing is not). A failure stops the flow with an
+error naming the stage; what the stages before it wrote stays on disk. The flow holds
+`<output_dir>/.eaglet.lock` while it runs (tasks/common/run_lock.py), so a scheduled run that overlaps another
+run on the same output_dir fails at once naming the holder.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from flows.stage_records import JSON_SERIALIZER, StageRecord, recorded, set_asid
 from flows.stages import select_stages, stage_function
 from flows.tracking import tracked_run
 from tasks.common.run_lock import output_dir_lock
-from tasks.serving.engine import EngineStartError
+from tasks.serving.engine import EngineMissing, EngineStartError
 from tasks.data.generation_openai import RETRYABLE_STATUS
 
 #: Attempts after the first, and the pause before each: time for a port or GPU memory to be released.
@@ -57,7 +57,10 @@ class StageInputs(CachePolicy):
 
 
 def is_transient(error: object) -> bool:
-    """An engine that did not start, or an HTTP failure other than a 4xx saying the request itself is wrong."""
+    """An engine that did not start, or an HTTP failure other than a 4xx saying the request itself is wrong.
+    An engine whose python, model or draft is missing (EngineMissing) stays missing however often it is tried."""
+    if isinstance(error, EngineMissing):
+        return False
     if isinstance(error, httpx.HTTPStatusError):
         status = error.response.status_code
         return status >= 500 or status in RETRYABLE_STATUS

@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from contract.config import draft_tree_capacity
 from models.draft_tree import DraftCache, DraftTree, ancestor_mask, build_tree, draft_extend, select_nodes
 from models.eagle3 import Eagle3Draft
 from models.target_capture import captured_outputs, decoder_parts, resolve_aux_layer_ids
@@ -233,11 +234,11 @@ class SpeculativeDecoder:
 
     def check_shape(self) -> None:
         """Refuse trees SGLang would refuse, and a draft built for another vocabulary."""
-        candidates = self.topk + (self.steps - 1) * self.topk * self.topk
         if self.steps < 1 or not 1 <= self.topk <= self.draft.config.draft_vocab_size:
             raise ValueError(f"steps {self.steps} and topk {self.topk} must be >= 1 (topk <= the draft vocab)")
-        if not 2 <= self.num_draft_tokens <= candidates + 1:
-            raise ValueError(f"num_draft_tokens {self.num_draft_tokens} must lie in [2, {candidates + 1}] "
+        capacity = draft_tree_capacity(self.steps, self.topk)
+        if not 2 <= self.num_draft_tokens <= capacity:
+            raise ValueError(f"num_draft_tokens {self.num_draft_tokens} must lie in [2, {capacity}] "
                              f"for steps {self.steps} and topk {self.topk}")
         vocab = self.target.get_output_embeddings().weight.shape[0]
         if self.draft.config.vocab_size != vocab:

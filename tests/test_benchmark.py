@@ -715,8 +715,11 @@ def test_vllm_ignores_sglang_trees(tmp_path: Path) -> None:
 
 
 def test_a_tree_larger_than_its_steps_and_topk_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"num_draft_tokens 20 is more than the tree of steps 3 x topk 2 holds \(7"):
+    with pytest.raises(ValueError, match=r"20 cannot be verified by a tree of steps 3 x topk 2: it verifies 2\.\.11 tokens"):
         RunConfig.model_validate({"benchmark": {"sglang_trees": [{"steps": 3, "topk": 2, "num_draft_tokens": 20}]}})
+    beyond_the_frontier = RunConfig.model_validate(
+        {"benchmark": {"sglang_trees": [{"steps": 3, "topk": 2, "num_draft_tokens": 11}]}})
+    assert beyond_the_frontier.benchmark.sglang_trees[0].num_draft_tokens == 11, "leaves of unexpanded nodes verify too"
 
 
 def test_a_sweep_without_the_offline_chain_length_skips_the_acceptance_check(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from contract.config import RunConfig
+from contract.config import RunConfig, draft_tree_capacity
 from contract.config_loading import ConfigError, config_as_yaml, flatten_config, load_config
 from flows.cli import app
 
@@ -105,6 +105,33 @@ def test_semantic_rules(tmp_path: Path) -> None:
     assert "exactly one of 'path' or 'asset'" in rejection(tmp_path, "data:\n  sources:\n    - name: a\n")
     duplicate = "data:\n  sources:\n    - {name: a, asset: mtbench}\n    - {name: a, asset: humaneval}\n"
     assert "repeated: a" in rejection(tmp_path, duplicate)
+
+
+def test_aux_layer_ids_are_three_ascending_layers(tmp_path: Path) -> None:
+    """The drafter's fc fuses exactly three layers (Linear(3H -> H)); engines capture each once, in order."""
+    two = rejection(tmp_path, "", ["capture.aux_layer_ids=[1, 2]"])
+    assert "capture.aux_layer_ids: needs exactly 3 decoder layer ids" in two and "got 2: [1, 2]" in two
+    assert "capture.aux_layer_ids: needs exactly 3" in rejection(tmp_path, "", ["capture.aux_layer_ids=[1, 2, 3, 4]"])
+    assert "capture.aux_layer_ids: ids are 0-indexed" in rejection(tmp_path, "", ["capture.aux_layer_ids=[-1, 2, 3]"])
+    assert "capture.aux_layer_ids: must be strictly ascending" in rejection(tmp_path, "", ["capture.aux_layer_ids=[3, 2, 4]"])
+    assert "capture.aux_layer_ids: must be strictly ascending" in rejection(tmp_path, "", ["capture.aux_layer_ids=[1, 2, 2]"])
+    assert load_config(None, ["capture.aux_layer_ids=[0, 5, 9]"]).capture.aux_layer_ids == [0, 5, 9]
+
+
+def test_tree_settings_must_form_a_tree(tmp_path: Path) -> None:
+    """SGLang verifies the root plus the best N - 1 of the topk + (steps - 1) * topk^2 drafted candidates."""
+    assert draft_tree_capacity(steps=2, topk=2) == 7 and draft_tree_capacity(steps=3, topk=4) == 37
+    assert draft_tree_capacity(steps=5, topk=1) == 6, "a chain verifies steps + 1"
+    too_many = rejection(tmp_path, "evaluation:\n  steps: 2\n  topk: 2\n  num_draft_tokens: 8\n")
+    assert "evaluation.num_draft_tokens: 8 cannot be verified by a tree of steps 2 x topk 2: it verifies 2..7 tokens" in too_many
+    assert "evaluation.num_draft_tokens: 1 cannot be verified" in rejection(tmp_path, "", ["evaluation.topk=2", "evaluation.num_draft_tokens=1"])
+    assert load_config(None, ["evaluation.steps=2", "evaluation.topk=2", "evaluation.num_draft_tokens=7"])
+    chain = load_config(None, ["evaluation.steps=6", "evaluation.topk=1"])
+    assert chain.evaluation.num_draft_tokens == 4, "a chain verifies steps + 1 whatever num_draft_tokens says"
+    trees = "benchmark:\n  sglang_trees:\n    - {steps: 3, topk: 4, num_draft_tokens: 16}\n    - {steps: 2, topk: 2, num_draft_tokens: 9}\n"
+    message = rejection(tmp_path, trees)
+    assert "benchmark.sglang_trees.1.num_draft_tokens: 9 cannot be verified by a tree of steps 2 x topk 2" in message
+    assert "sglang_trees.0" not in message, "SGLang's documented steps 3, topk 4, 16 draft tokens is a tree"
 
 
 def test_bad_files_and_bad_overrides(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from tasks.serving.engine import (
     EngineLaunch,
+    EngineMissing,
     EngineStartError,
     _port_in_use,
     engine_command,
@@ -290,7 +291,7 @@ def test_a_missing_engine_environment_says_how_to_create_it(tmp_path: Path) -> N
         kind="vllm", model=tmp_path, python=str(tmp_path / ".venv-vllm" / "bin" / "python"), port=free_port(),
         log_path=tmp_path / "engine.log",
     )  # fmt: skip
-    with pytest.raises(EngineStartError, match=r"environment is missing.*make serve-env"):
+    with pytest.raises(EngineMissing, match=r"environment is missing.*make serve-env"):
         start_engine(launch)
     assert not launch.log_path.exists(), "nothing was started"
 

@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 
 from contract.config_loading import load_config
 from flows.cli import app
-from flows.pipeline import pipeline
+from flows.pipeline import is_transient, pipeline
 from flows.stage_cache import REPO_ROOT, stage_cache_key, stage_spec
 from flows.stages import STAGE_ORDER
 from pipeline_inputs import tiny_run_config, write_conversations
-from tasks.serving.engine import free_port
+from tasks.serving.engine import EngineMissing, EngineStartError, free_port
 
 
 def write_config(tmp_path: Path, tiny_target_dir: Path, mlflow_uri: str) -> Path:
@@ -218,6 +218,17 @@ def test_an_engine_that_fails_to_start_is_retried(prefect_harness, tmp_path: Pat
     assert state.result()["regenerate"]["ok"] == 5
     log = (tmp_path / "out" / "logs" / "regenerate-vllm.log").read_text()
     assert "the first launch fails" in log and log.count("starting:") == 2
+
+
+def test_an_engine_whose_python_is_missing_fails_at_once(prefect_harness, tmp_path: Path, tiny_target_dir: Path) -> None:
+    assert not is_transient(EngineMissing("no python")) and is_transient(EngineStartError("exited with 1"))
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    config = untracked_config(tmp_path, tiny_target_dir, runtime={"engines": {"vllm": {"python": str(missing)}}},
+                              regeneration={"backend": "openai", "engine": "vllm"})
+    state = pipeline(str(config), [], ["target", "ingest", "regenerate"], return_state=True)
+    assert state.is_failed()
+    assert "stage regenerate failed: EngineMissing" in state.message and str(missing) in state.message
+    assert task_runs(state)["regenerate"].run_count == 1, "a missing environment is not retried"
 
 
 def test_stage_command_runs_one_stage_and_tracks_it(tmp_path: Path, tiny_target_dir: Path, mlflow_uri: str) -> None:

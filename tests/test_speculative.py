@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from contract.config import RunConfig, draft_tree_capacity
 from models.draft_tree import DraftCache, DraftTree, ancestor_mask, build_tree, draft_extend, select_nodes
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.speculative import SpeculativeDecoder, TargetState, prefill, target_generate
@@ -237,6 +238,18 @@ def test_invalid_tree_shapes_are_refused(target, untrained_draft) -> None:
         SpeculativeDecoder(target, untrained_draft, AUX_LAYERS, steps=3, topk=1, num_draft_tokens=6)
     with pytest.raises(ValueError, match="differ from the draft"):
         SpeculativeDecoder(target, untrained_draft, [0, 1, 2], steps=3)
+
+
+@pytest.mark.parametrize("steps, topk", [(1, 3), (2, 2), (3, 4)])
+def test_the_decoder_verifies_exactly_the_trees_the_config_allows(target, untrained_draft, steps: int, topk: int) -> None:
+    """contract/config.py's tree rule (SGLang's) and the offline decoder's agree on the largest tree."""
+    capacity = draft_tree_capacity(steps, topk)
+    RunConfig.model_validate({"evaluation": {"steps": steps, "topk": topk, "num_draft_tokens": capacity}})
+    SpeculativeDecoder(target, untrained_draft, AUX_LAYERS, steps=steps, topk=topk, num_draft_tokens=capacity)
+    with pytest.raises(ValueError, match=f"evaluation.num_draft_tokens\n.*{capacity + 1} cannot be verified"):
+        RunConfig.model_validate({"evaluation": {"steps": steps, "topk": topk, "num_draft_tokens": capacity + 1}})
+    with pytest.raises(ValueError, match=f"num_draft_tokens {capacity + 1} must lie in \\[2, {capacity}\\]"):
+        SpeculativeDecoder(target, untrained_draft, AUX_LAYERS, steps=steps, topk=topk, num_draft_tokens=capacity + 1)
 
 
 # --- sampling -------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ The engine never shares our venv (its wheel pins its own torch/transformers; doc
 started with the `python` of its own virtualenv (`make serve-env` creates `.venv-vllm`), in a new session (setsid) so
 the whole process tree can be stopped by process group, bound to 127.0.0.1 only, with stdout+stderr kept in
 a log file. Readiness is `GET /v1/models` answering 200 within the start-up timeout; any failure to become
-ready stops the process tree and raises `EngineStartError` with the command, the exit code and the log tail.
+ready stops the process tree and raises `EngineStartError` with the command, the exit code and the log tail;
+a missing python, model or draft raises its subclass `EngineMissing` before anything starts (never retried).
 
     with serve(EngineLaunch(kind="vllm", model=target_dir, python=".venv-vllm/bin/python",
                             port=free_port(), log_path=out / "logs/vllm.log")) as engine:
@@ -56,6 +57,10 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 class EngineStartError(RuntimeError):
     """The engine could not be started or did not become ready."""
+
+
+class EngineMissing(EngineStartError):
+    """What the engine needs is not there (its python, the model or the draft directory): a retry cannot help."""
 
 
 @dataclass
@@ -386,14 +391,14 @@ def start_engine(launch: EngineLaunch) -> RunningEngine:
     python = resolve_python(launch.python)
     if python is None:
         hint = ENV_HINTS.get(launch.kind, "create the engine's virtualenv")
-        raise EngineStartError(
+        raise EngineMissing(
             f"the {launch.kind} engine environment is missing: {launch.python!r} is not an executable python "
             f"(looked in {Path.cwd()} and {_REPO_ROOT}); {hint}"
         )
     if not Path(launch.model).exists():
-        raise EngineStartError(f"model directory {launch.model} does not exist")
+        raise EngineMissing(f"model directory {launch.model} does not exist")
     if launch.draft is not None and not Path(launch.draft).exists():
-        raise EngineStartError(f"draft model directory {launch.draft} does not exist")
+        raise EngineMissing(f"draft model directory {launch.draft} does not exist")
     if _port_in_use(launch.port):
         raise EngineStartError(
             f"port {HOST}:{launch.port} is already in use; stop what listens there or pick another port "
