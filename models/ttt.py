@@ -29,7 +29,7 @@ class TTTBatch:
     input_ids: torch.Tensor          # [B, T] int64
     loss_mask: torch.Tensor          # [B, T] token mask (1 on supervised tokens)
     aux_hidden_state: torch.Tensor   # [B, T, 3H]
-    target_probs: torch.Tensor       # [B, T, Vd] target distribution at t over the draft vocab
+    target_probs: torch.Tensor       # [B, T, Vd] the target's full-vocab probabilities at t of the draft tokens
     target_top1: torch.Tensor        # [B, T] full-vocab argmax of the target at t
     target_top1_in_draft: torch.Tensor  # [B, T] bool
 
@@ -49,8 +49,7 @@ class TTTOutput:
     ploss: list[torch.Tensor] = field(default_factory=list)
     acc: list[float] = field(default_factory=list)
     expected_accept: list[float] = field(default_factory=list)
-    supervised: list[float] = field(default_factory=list)  # every supervised position: acc_k's denominator
-    scored: list[float] = field(default_factory=list)  # those whose target top-1 is in the draft vocab
+    supervised: list[float] = field(default_factory=list)  # every supervised position: the metrics' denominator
 
     @property
     def simulated_accept_len(self) -> float:
@@ -64,12 +63,20 @@ class TTTOutput:
 
 
 def teacher_from_hidden(hidden_state: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(target_probs over draft vocab, full-vocab top-1, top-1 in draft vocab) from final normed states."""
+    """(full-vocab target probabilities of the draft tokens, full-vocab top-1, top-1 in draft vocab) from final
+    normed states. The probabilities are not renormalised: the mass outside the draft vocab is what no draft
+    token can earn in expected acceptance (the loss renormalises them, `renormalised`)."""
     with torch.no_grad():
         logits = hidden_state.float() @ lm_head_weight.float().T
         top1 = logits.argmax(dim=-1)
-        probs = torch.softmax(logits[..., t2d], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., t2d]
     return probs, top1, t2d[top1]
+
+
+def renormalised(probs: torch.Tensor) -> torch.Tensor:
+    """Rows of target probabilities over the draft vocab rescaled to sum to 1: the distribution the loss
+    teaches (as SpecForge). A row without mass stays zero."""
+    return probs / probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
 
 
 def shift_left(x: torch.Tensor, steps: int, fill: float | int = 0) -> torch.Tensor:
@@ -99,6 +106,17 @@ def check_attention_backend(backend: str) -> None:
                          "pip install 'eaglet[cuda]' (or use 'sdpa')") from None
 
 
+def kernel_dtype(queries: torch.Tensor, backend: str) -> torch.dtype:
+    """The dtype `causal_attention` computes in for these queries: flash_attn takes bf16/fp16 only, and
+    sdpa is an autocast op (under autocast it runs in the autocast dtype, whatever its inputs)."""
+    if backend == "flash_attn":
+        return torch.bfloat16 if queries.dtype == torch.float32 else queries.dtype
+    device = queries.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return queries.dtype
+
+
 def causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                      backend: str = "sdpa") -> torch.Tensor:
     """Plain causal attention over [B, h, T, d] tensors with equal head counts, by the chosen kernel.
@@ -110,7 +128,7 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
         return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
     from flash_attn import flash_attn_func
 
-    half = torch.bfloat16 if queries.dtype == torch.float32 else queries.dtype
+    half = kernel_dtype(queries, backend)
     out = flash_attn_func(queries.transpose(1, 2).to(half), keys.transpose(1, 2).to(half),
                           values.transpose(1, 2).to(half), softmax_scale=scale, causal=True)
     return out.transpose(1, 2).to(queries.dtype)
@@ -126,6 +144,8 @@ def causal_plus_diagonal_attention(queries: torch.Tensor, keys0: torch.Tensor, v
     virtual key (score m_t = max_j s_j, chosen per query through one extra query channel) yields
     Z O / D, Z / D and e^{m_t} / D with D = e^{m_t} + Z, which is all the merge needs. The trick needs no
     mask, so any causal kernel (`backend`) runs it, and gradients flow through its outputs only.
+    Under bf16 the diagonal scores and the merge run in fp32, as the kernel's own scores and softmax do: the
+    result differs from an fp32 attention over the same bf16 inputs by the rounding of the kernel's outputs.
     """
     groups = queries.shape[1] // keys0.shape[1]
     keys0 = keys0.repeat_interleave(groups, 1)
@@ -134,16 +154,15 @@ def causal_plus_diagonal_attention(queries: torch.Tensor, keys0: torch.Tensor, v
     scale = dim ** -0.5
     if not diagonal_keys:
         return causal_attention(queries, keys0, values0, scale, backend)
-    diag_k = torch.stack([key.repeat_interleave(groups, 1) for key in diagonal_keys])      # [k, B, h, T, d]
-    diag_v = torch.stack([value.repeat_interleave(groups, 1) for value in diagonal_values])
-    scores = (queries.unsqueeze(0) * diag_k).sum(-1) * scale                              # [k, B, h, T]
-    peak = scores.max(dim=0).values.detach()                                              # m_t
+    computed_in = kernel_dtype(queries, backend)
+    scores = diagonal_scores(queries, diagonal_keys, scale, computed_in)                  # [k, B, h, T] fp32
+    channel, peak = virtual_key_channel(scores, scale, computed_in)
     extra = (-(dim + 2)) % 8 + 2                                                          # 2 channels, padded to x8
     batch, heads, length, _ = queries.shape
     zeros = queries.new_zeros(batch, heads, length, extra)
 
     q_aug = torch.cat([queries, zeros], dim=-1)
-    q_aug[..., dim] = peak / scale
+    q_aug[..., dim] = channel
     k_aug = torch.cat([keys0, zeros], dim=-1)
     v_aug = torch.cat([values0, zeros], dim=-1)
     v_aug[..., dim + 1] = 1.0                                    # real keys' share of the softmax: Z / D
@@ -153,12 +172,49 @@ def causal_plus_diagonal_attention(queries: torch.Tensor, keys0: torch.Tensor, v
     virtual_v = virtual_q.clone()
     virtual_v[..., dim] = 1.0                                    # the virtual key's share: e^{m_t} / D
     out = causal_attention(torch.cat([virtual_q, q_aug], dim=2), torch.cat([virtual_k, k_aug], dim=2),
-                           torch.cat([virtual_v, v_aug], dim=2), scale, backend)[:, :, 1:]
+                           torch.cat([virtual_v, v_aug], dim=2), scale, backend)[:, :, 1:].float()
     causal_part, virtual_share, real_share = out[..., :dim], out[..., dim:dim + 1], out[..., dim + 1:dim + 2]
-    weights = torch.exp(scores - peak).unsqueeze(-1)                                      # e^{s_j - m_t}
-    numerator = causal_part + virtual_share * (weights * diag_v).sum(0)
-    denominator = real_share + virtual_share * weights.sum(0)
-    return numerator / denominator
+    weights = torch.exp(scores - peak)                                                    # e^{s_j - m_t}
+    numerator = causal_part + virtual_share * weighted_diagonal_values(weights, diagonal_values)
+    denominator = real_share + virtual_share * weights.sum(0).unsqueeze(-1)
+    return (numerator / denominator).to(queries.dtype)
+
+
+def by_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, h, T, ...] -> [B, kv_heads, h / kv_heads, T, ...]: query heads grouped by the kv head they share
+    (the order repeat_interleave expands), so a kv tensor broadcasts over its group without a copy per head."""
+    return x.reshape(x.shape[0], kv_heads, -1, *x.shape[2:])
+
+
+def diagonal_scores(queries: torch.Tensor, diagonal_keys: list[torch.Tensor], scale: float,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """s_j = q_t . k_j,t * scale [k, B, h, T], as the kernel scores its keys: inputs in its `dtype`, products
+    and sums in fp32. Left in bf16, a score of ~100 would be off by up to 0.25 and its weight by ~30%."""
+    grouped = by_kv_head(queries.to(dtype).float(), diagonal_keys[0].shape[1])
+    scores = [(grouped * key.to(dtype).float().unsqueeze(2)).sum(-1).flatten(1, 2) for key in diagonal_keys]
+    return torch.stack(scores) * scale
+
+
+def virtual_key_channel(scores: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the virtual key's query channel, the score m_t the kernel gives it) from diagonal scores [k, B, h, T].
+
+    The kernel scores the virtual key as channel * scale (in fp32), with the channel rounded to the dtype it
+    computes in (bf16: up to 2^-8 relative, ~0.1 at a peak of 30). m_t is read back from that rounded
+    channel, so the merge's e^{s_j - m_t} divides out exactly the e^{m_t} the kernel added; the unrounded
+    peak would skew every diagonal weight by e^{rounding error}. (Keeping the virtual key in fp32 instead
+    would need an fp32 attention call; this costs one cast.)"""
+    peak = scores.max(dim=0).values.detach()
+    channel = (peak / scale).to(dtype)
+    return channel, channel.float() * scale
+
+
+def weighted_diagonal_values(weights: torch.Tensor, diagonal_values: list[torch.Tensor]) -> torch.Tensor:
+    """sum_j weights[j] * V_j [B, h, T, d] in fp32, with V_j [B, kv_heads, T, d] in any dtype (not copied
+    to fp32 nor per query head: the product promotes and broadcasts)."""
+    kv_heads = diagonal_values[0].shape[1]
+    total = sum(by_kv_head(weight.unsqueeze(-1), kv_heads) * value.unsqueeze(2)
+                for weight, value in zip(weights, diagonal_values))
+    return total.flatten(1, 2)
 
 
 def step_loss(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor,
@@ -181,8 +237,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         positions = torch.arange(length, device=batch.input_ids.device).expand(size, -1)
     # The EAGLE3 shift: position t reads x_{t+1}, learns the target at t+1, weighted by x_{t+1}'s mask.
     ids = shift_left(batch.input_ids, 1)
-    # The loss (as SpecForge) only where the target's top-1 is in the draft vocab; acc_k over every supervised
-    # position, since an engine cannot accept a token its draft cannot propose.
+    # The loss (as SpecForge) only where the target's top-1 is in the draft vocab; the metrics over every
+    # supervised position, since an engine cannot accept a token its draft cannot propose.
     supervised = shift_left(batch.loss_mask.float(), 1)
     mask = supervised * shift_left(batch.target_top1_in_draft.float(), 1)
     probs = shift_left(batch.target_probs, 1)
@@ -194,7 +250,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
     diagonal_values: list[torch.Tensor] = []
     output = TTTOutput(loss=hidden.new_zeros(()))
     for step in range(steps):
-        step_ids, step_mask = shift_left(ids, step), shift_left(mask, step)
+        step_ids, step_supervised = shift_left(ids, step), shift_left(supervised, step)
+        step_mask = shift_left(mask, step)
         step_probs, step_top1 = shift_left(probs, step), shift_left(top1, step)
         projections = draft.project_qkv(step_ids, hidden, positions + step)
         if step == 0:
@@ -205,30 +262,31 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         attended = causal_plus_diagonal_attention(projections.queries, keys0, values0, diagonal_keys, diagonal_values,
                                                   attention_backend)
         hidden = draft.finish(hidden, attended)
-        # Logits only where the step has a target: the lm_head dominates the cost, and unsupervised
-        # positions (prompts, padding, past the end) add nothing to the loss or the metrics.
-        chosen = step_mask > 0
+        # Logits only at supervised positions: the lm_head dominates the cost, and unsupervised positions
+        # (prompts, padding, past the end) add nothing to the loss or the metrics.
+        chosen = step_supervised > 0
         logits = draft.logits(hidden[chosen])
-        ploss, log_probs = step_loss(logits, step_probs[chosen], step_mask[chosen], normaliser=normaliser or step_mask.numel())
+        ploss, log_probs = step_loss(logits, renormalised(step_probs[chosen]), step_mask[chosen],
+                                     normaliser=normaliser or step_mask.numel())
         output.loss = output.loss + decay ** step * ploss
         output.ploss.append(ploss)
-        record_step_metrics(output, draft, log_probs, step_probs[chosen], step_top1[chosen], step_mask[chosen],
-                            float(shift_left(supervised, step).sum()))
+        record_step_metrics(output, draft, log_probs, step_probs[chosen], step_top1[chosen])
     return output
 
 
 def record_step_metrics(output: TTTOutput, draft: Eagle3Draft, log_probs: torch.Tensor, target_probs: torch.Tensor,
-                        target_top1: torch.Tensor, mask: torch.Tensor, supervised: float) -> None:
-    """acc_k: draft top-1 (mapped to the target vocab) == target top-1, over all `supervised` positions of the
-    step (a target top-1 outside the draft vocab is a miss); expected acceptance over the scored positions
-    (`mask`: supervised, target top-1 in the draft vocab), against the teacher renormalised to the draft vocab."""
+                        target_top1: torch.Tensor) -> None:
+    """Both over every supervised position of the step (the rows given), as an engine sees them.
+
+    acc_k: draft top-1 (mapped to the target vocab) == target top-1; a target top-1 outside the draft vocab
+    is a miss, since the draft cannot propose it. expected_accept_k: the chance that speculative sampling
+    accepts the draft's sampled token, sum_v q(v) min(1, p(v) / q(v)) = sum_v min(q(v), p(v)), with p the
+    target's full-vocab probabilities (not renormalised: its mass outside the draft vocab is never accepted)."""
     with torch.no_grad():
-        scored = float(mask.sum())
         draft_top1 = draft.draft_to_target(log_probs.argmax(dim=-1))
-        correct = float(((draft_top1 == target_top1).float() * mask).sum())
-        overlap = torch.minimum(log_probs.exp(), target_probs).sum(-1)
-        accepted = float((overlap * mask).sum())
+        correct = float((draft_top1 == target_top1).sum())
+        accepted = float(torch.minimum(log_probs.exp(), target_probs).sum())
+    supervised = float(log_probs.shape[0])
     output.acc.append(correct / supervised if supervised else 0.0)
-    output.expected_accept.append(accepted / scored if scored else 0.0)
+    output.expected_accept.append(accepted / supervised if supervised else 0.0)
     output.supervised.append(supervised)
-    output.scored.append(scored)

@@ -426,7 +426,7 @@ def evaluate_features(draft: Eagle3Draft, features: Any, lm_head: torch.Tensor, 
                       attention_backend: str = "sdpa", dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """acc_k, expected acceptance and ploss per depth over every record, weighted by supervised positions,
     and the simulated accept length of a chain of `steps`."""
-    correct, counts, accepted, scored = [0.0] * steps, [0.0] * steps, [0.0] * steps, [0.0] * steps
+    correct, counts, accepted = [0.0] * steps, [0.0] * steps, [0.0] * steps
     ploss = [0.0] * steps
     with torch.no_grad(), autocast(lm_head.device, dtype):
         for record in features:
@@ -435,13 +435,12 @@ def evaluate_features(draft: Eagle3Draft, features: Any, lm_head: torch.Tensor, 
             for step in range(steps):
                 counts[step] += output.supervised[step]
                 correct[step] += output.acc[step] * output.supervised[step]
-                accepted[step] += output.expected_accept[step] * output.scored[step]
-                scored[step] += output.scored[step]
+                accepted[step] += output.expected_accept[step] * output.supervised[step]
                 ploss[step] += float(output.ploss[step])
     metrics: dict[str, float] = {}
     for step in range(steps):
         metrics[f"acc_{step}"] = correct[step] / counts[step] if counts[step] else 0.0
-        metrics[f"expected_accept_{step}"] = accepted[step] / scored[step] if scored[step] else 0.0
+        metrics[f"expected_accept_{step}"] = accepted[step] / counts[step] if counts[step] else 0.0
         metrics[f"ploss_{step}"] = ploss[step] / len(features)
     metrics["simulated_accept_len"] = simulated_accept_length([metrics[f"acc_{step}"] for step in range(steps)])
     return metrics

@@ -15,6 +15,7 @@ from tasks import train
 from tasks.features.batches import collate
 from tasks.features.shards import FeatureSet
 from tasks.training.checkpoint import ResumeRefused, latest_checkpoint
+from attention_reference import assert_within_bf16
 from training_run import captured_run, copy_run
 
 
@@ -138,18 +139,33 @@ def test_flash_attention_backend_is_refused_where_it_cannot_run(base_run, tmp_pa
     assert not (tmp_path / "flash" / "checkpoints").exists()
 
 
+def gpu_attention_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """fp32 queries, keys, values and two diagonal terms on the GPU; queries and keys scaled by 6 (scores of
+    std 36), where a merge that loses precision shows."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    queries = torch.randn(2, 4, 33, 64, device="cuda", generator=generator).mul(6).requires_grad_()
+    keys = torch.randn(2, 2, 33, 64, device="cuda", generator=generator) * 6
+    values = torch.randn(2, 2, 33, 64, device="cuda", generator=generator)
+    diagonal_keys = [torch.randn(2, 2, 33, 64, device="cuda", generator=generator) * 6 for _ in range(2)]
+    diagonal_values = [torch.randn(2, 2, 33, 64, device="cuda", generator=generator) for _ in range(2)]
+    return queries, keys, values, diagonal_keys, diagonal_values
+
+
 @pytest.mark.skipif(not flash_attn_runs_here(), reason="flash-attn runs on CUDA GPUs with the package only")
 def test_flash_attention_matches_sdpa_on_gpu() -> None:
+    """flash_attn computes in bf16: within what bf16 allows of the exact attention over the same inputs."""
     check_attention_backend("flash_attn")
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    shape = (2, 4, 33, 64)
-    queries = torch.randn(*shape, device="cuda", generator=generator, requires_grad=True)
-    keys = torch.randn(2, 2, 33, 64, device="cuda", generator=generator)
-    values = torch.randn(2, 2, 33, 64, device="cuda", generator=generator)
-    diagonal = [torch.randn(2, 2, 33, 64, device="cuda", generator=generator) for _ in range(2)]
-    reference = causal_plus_diagonal_attention(queries, keys, values, diagonal, diagonal, "sdpa")
-    flash = causal_plus_diagonal_attention(queries, keys, values, diagonal, diagonal, "flash_attn")
-    torch.testing.assert_close(flash, reference, rtol=3e-2, atol=3e-2)
+    inputs = gpu_attention_inputs()
+    assert_within_bf16(causal_plus_diagonal_attention(*inputs, backend="flash_attn"), *inputs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's bf16 SDPA kernels need a CUDA GPU")
+def test_bf16_autocast_attention_on_gpu_is_within_bf16() -> None:
+    """training.precision bf16 with the default sdpa backend, as the GPU trains."""
+    inputs = gpu_attention_inputs()
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        attended = causal_plus_diagonal_attention(*inputs, backend="sdpa")
+    assert_within_bf16(attended, *inputs)
 
 
 @pytest.mark.slow

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import copy
+import sys
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from models.eagle3 import Eagle3Config, Eagle3Draft
-from models.ttt import TTTBatch, causal_plus_diagonal_attention, ttt_forward
+from models.ttt import (TTTBatch, TTTOutput, causal_plus_diagonal_attention, record_step_metrics, renormalised,
+                        teacher_from_hidden, ttt_forward)
+from tasks.common.devices import autocast
+from attention_reference import assert_within_bf16, dense_causal_plus_diagonal
 
 TINY = Eagle3Config(
     hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -31,14 +37,15 @@ def tiny_draft(seed: int = 0) -> Eagle3Draft:
 
 
 def random_batch(batch: int = 2, length: int = 12, seed: int = 1) -> TTTBatch:
+    """Random features; the teacher keeps part of its mass outside the draft vocab, as a real one does."""
     generator = torch.Generator().manual_seed(seed)
-    logits = torch.randn(batch, length, TINY.draft_vocab_size, generator=generator) * 2
+    logits = torch.randn(batch, length, TINY.vocab_size, generator=generator) * 2
     mask = (torch.rand(batch, length, generator=generator) > 0.3).long()
     return TTTBatch(
         input_ids=torch.randint(0, TINY.vocab_size, (batch, length), generator=generator),
         loss_mask=mask,
         aux_hidden_state=torch.randn(batch, length, 3 * TINY.target_hidden_size, generator=generator),
-        target_probs=torch.softmax(logits, dim=-1),
+        target_probs=torch.softmax(logits, dim=-1)[..., : TINY.draft_vocab_size],
         target_top1=torch.randint(0, TINY.vocab_size, (batch, length), generator=generator),
         target_top1_in_draft=torch.rand(batch, length, generator=generator) > 0.2,
     )
@@ -46,7 +53,7 @@ def random_batch(batch: int = 2, length: int = 12, seed: int = 1) -> TTTBatch:
 
 def reference_ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> torch.Tensor:
     """docs/architecture.md §3 spelled out: per step, explicit shifts, a dense mask over all keys so far,
-    the weighted loss."""
+    the weighted loss against the teacher renormalised over the draft vocab."""
     size, length = batch.input_ids.shape
 
     def at(tensor: torch.Tensor, t: int, fill: float = 0.0) -> torch.Tensor:
@@ -60,6 +67,7 @@ def reference_ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> torch
         ids = torch.stack([at(batch.input_ids, t + 1 + step) for t in range(length)], dim=1).long()
         mask = torch.stack([at(weights, t + 1 + step) for t in range(length)], dim=1)
         probs = torch.stack([at(batch.target_probs, t + 1 + step) for t in range(length)], dim=1)
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
         positions = torch.arange(length).expand(size, -1) + step
         projections = draft.project_qkv(ids, hidden, positions)
         groups = TINY.num_attention_heads // TINY.num_key_value_heads
@@ -94,22 +102,58 @@ def test_ttt_loss_and_gradients_match_the_dense_reference(steps: int) -> None:
     assert len(fast.acc) == steps and all(0.0 <= value <= 1.0 for value in fast.acc)
 
 
+def attention_inputs(seed: int, shape: tuple[int, int, int, int, int], diagonals: int, magnitude: float,
+                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """(queries, keys0, values0, diagonal keys, diagonal values) for `shape` = (B, heads, kv heads, T, d);
+    queries and keys scaled by `magnitude`, values standard normal. Magnitude 6 gives scores of std 36: large
+    scores are where a merge loses precision."""
+    batch, heads, kv_heads, length, dim = shape
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(count: int, scale: float) -> torch.Tensor:
+        return (torch.randn(batch, count, length, dim, generator=generator) * scale).to(dtype)
+
+    queries, keys0, values0 = draw(heads, magnitude), draw(kv_heads, magnitude), draw(kv_heads, 1.0)
+    keys = [draw(kv_heads, magnitude) for _ in range(diagonals)]
+    values = [draw(kv_heads, 1.0) for _ in range(diagonals)]
+    return queries, keys0, values0, keys, values
+
+
 def test_attend_is_exact_with_large_scores() -> None:
     """The virtual-key merge stays exact when scores are large (no overflow, no lost precision)."""
-    torch.manual_seed(3)
-    queries = torch.randn(1, 2, 9, 8) * 6
-    keys0, values0 = torch.randn(1, 1, 9, 8) * 6, torch.randn(1, 1, 9, 8)
-    diagonal = [(torch.randn(1, 1, 9, 8) * 6, torch.randn(1, 1, 9, 8)) for _ in range(3)]
-    fast = causal_plus_diagonal_attention(queries, keys0, values0, [k for k, _ in diagonal], [v for _, v in diagonal])
-    keys = torch.cat([keys0] + [k for k, _ in diagonal], dim=2).repeat_interleave(2, 1)
-    values = torch.cat([values0] + [v for _, v in diagonal], dim=2).repeat_interleave(2, 1)
-    allowed = torch.zeros(9, 36, dtype=torch.bool)
-    for t in range(9):
-        allowed[t, : t + 1] = True
-        allowed[t, [9 + t, 18 + t, 27 + t]] = True
-    scores = (queries @ keys.transpose(-1, -2) / 8 ** 0.5).masked_fill(~allowed, float("-inf"))
-    assert scores.max() > 30, "the test needs large scores"
-    assert torch.allclose(fast, torch.softmax(scores, -1) @ values, atol=1e-5)
+    inputs = attention_inputs(3, (1, 2, 1, 9, 8), diagonals=3, magnitude=6.0)
+    fast = causal_plus_diagonal_attention(*inputs)
+    assert torch.allclose(fast, dense_causal_plus_diagonal(*inputs), atol=1e-5)
+
+
+@pytest.mark.parametrize("inputs_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_autocast_attention_matches_the_dense_softmax(inputs_dtype: torch.dtype) -> None:
+    """training.precision bf16 (CPU autocast here, as on GPU): with large scores, the merge must use the
+    virtual key's score as the kernel saw it (rounded to bf16) and diagonal scores as exact as the kernel's
+    own; the unrounded peak or bf16 diagonal scores are off by several percent."""
+    inputs = attention_inputs(5, (2, 4, 2, 33, 64), diagonals=3, magnitude=6.0, dtype=inputs_dtype)
+    with autocast(torch.device("cpu"), torch.bfloat16):
+        fast = causal_plus_diagonal_attention(*inputs)
+    assert_within_bf16(fast, *inputs)
+
+
+def fake_flash_attn_func(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softmax_scale: float,
+                         causal: bool) -> torch.Tensor:
+    """flash_attn's interface ([B, T, h, d], bf16 in and out, fp32 scores) over SDPA, for CPUs."""
+    assert queries.dtype == torch.bfloat16 and causal
+    out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         is_causal=True, scale=softmax_scale)
+    return out.transpose(1, 2)
+
+
+def test_flash_attn_backend_merges_with_the_peak_it_rounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 queries into flash_attn are cast to bf16 inside `causal_attention`: the merge must still use the
+    peak as that cast left it."""
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=fake_flash_attn_func))
+    inputs = attention_inputs(7, (2, 4, 2, 33, 64), diagonals=3, magnitude=6.0)
+    fast = causal_plus_diagonal_attention(*inputs, backend="flash_attn")
+    assert fast.dtype == torch.float32
+    assert_within_bf16(fast, *inputs)
 
 
 def test_metrics_and_simulated_accept_length() -> None:
@@ -141,24 +185,84 @@ def test_a_draft_that_copies_the_teacher_is_fully_accepted() -> None:
 
 
 def test_a_target_top1_outside_the_draft_vocab_is_a_miss() -> None:
-    """An engine cannot accept a token its draft cannot propose: acc_k counts every supervised position, so a
-    draft that matches the teacher wherever it can scores the in-draft share, not 1.0 (the loss still skips
-    those positions, as SpecForge's does)."""
+    """An engine cannot accept a token its draft cannot propose: acc_k and expected acceptance count every
+    supervised position, so a draft that matches the teacher wherever it can scores the in-draft share, not
+    1.0 (the loss still skips those positions, as SpecForge's does)."""
     draft = tiny_draft()
     batch = random_batch(length=6)
     with torch.no_grad():
         ids = torch.cat([batch.input_ids[:, 1:], batch.input_ids[:, :1]], dim=1)
         _, logits = draft(batch.aux_hidden_state, ids)
     predicted = draft.draft_to_target(logits.argmax(-1))
+    outside = torch.tensor([[False, False, True, False, True, False],
+                            [False, True, False, False, False, False]])    # rows whose top-1 the draft lacks
     aligned = copy.copy(batch)
-    aligned.target_top1 = torch.cat([predicted[:, :1], predicted], dim=1)[:, :6]
     aligned.loss_mask = torch.ones_like(batch.loss_mask)
-    aligned.target_top1_in_draft = torch.tensor([[True, True, False, True, False, True],
-                                                 [True, False, True, True, True, True]])
+    aligned.target_top1 = torch.cat([predicted[:, :1], predicted], dim=1)[:, :6]
+    aligned.target_top1[outside] = int(torch.nonzero(~draft.t2d)[0])
+    aligned.target_top1_in_draft = draft.t2d[aligned.target_top1]
     with torch.no_grad():
         output = ttt_forward(draft, aligned, 1)
-    supervised = aligned.loss_mask[:, 1:].float()
-    in_draft = supervised * aligned.target_top1_in_draft[:, 1:].float()
-    assert output.supervised[0] == float(supervised.sum()) == 10.0
-    assert output.scored[0] == float(in_draft.sum()) == 7.0
+    assert output.supervised[0] == 10.0, "position t learns row t + 1: rows 1..5 of both records"
     assert output.acc[0] == pytest.approx(7.0 / 10.0)
+    overlap = torch.minimum(torch.softmax(logits[:, :5], dim=-1), aligned.target_probs[:, 1:]).sum(-1)
+    assert output.expected_accept[0] == pytest.approx(float(overlap.mean()), rel=1e-6)
+
+
+def test_expected_acceptance_counts_the_target_mass_outside_the_draft_vocab_as_rejected() -> None:
+    """Speculative sampling accepts a draft token v with min(1, p(v) / q(v)), so a position accepts with
+    sum_v min(q(v), p(v)), p the target's full-vocab probabilities. By hand: q = (.5, .5) against
+    p = (.3, .1) with 0.6 outside the draft vocab accepts 0.4; q = (0, 0, 1) against p = (0, 0, .9) accepts
+    0.9: 0.65 over both, where the teacher renormalised over the draft vocab would claim (0.75 + 1) / 2."""
+    draft = tiny_draft()
+    draft_probs = torch.zeros(2, TINY.draft_vocab_size)
+    draft_probs[0, :2] = 0.5
+    draft_probs[1, 2] = 1.0
+    target_probs = torch.zeros(2, TINY.draft_vocab_size)
+    target_probs[0, :2] = torch.tensor([0.3, 0.1])
+    target_probs[1, 2] = 0.9
+    outside_the_draft_vocab = int(torch.nonzero(~draft.t2d)[0])
+    target_top1 = torch.cat([torch.tensor([outside_the_draft_vocab]), draft.draft_to_target(torch.tensor([2]))])
+    honest, inflated = TTTOutput(loss=torch.zeros(())), TTTOutput(loss=torch.zeros(()))
+    record_step_metrics(honest, draft, draft_probs.log(), target_probs, target_top1)
+    record_step_metrics(inflated, draft, draft_probs.log(), renormalised(target_probs), target_top1)
+    assert honest.expected_accept[0] == pytest.approx(0.65)
+    assert inflated.expected_accept[0] == pytest.approx(0.875), "renormalising would inflate it"
+    assert honest.acc == [0.5] and honest.supervised == [2.0], "the first top-1 lies outside the draft vocab"
+
+
+def test_the_teacher_keeps_the_target_mass_outside_the_draft_vocab() -> None:
+    """teacher_from_hidden gives full-vocab probabilities of the draft tokens; the loss's renormalised
+    teacher is the softmax over the draft vocab's logits."""
+    generator = torch.Generator().manual_seed(2)
+    hidden, lm_head = torch.randn(5, 32, generator=generator), torch.randn(TINY.vocab_size, 32, generator=generator)
+    t2d = tiny_draft().t2d
+    probs, top1, in_draft = teacher_from_hidden(hidden, lm_head, t2d)
+    logits = hidden @ lm_head.T
+    assert torch.allclose(probs.sum(-1), torch.softmax(logits, -1)[:, t2d].sum(-1)) and bool((probs.sum(-1) < 1).all())
+    assert torch.allclose(renormalised(probs), torch.softmax(logits[:, t2d], -1), atol=1e-6)
+    assert torch.equal(top1, logits.argmax(-1)) and torch.equal(in_draft, t2d[top1])
+
+
+def test_eval_metrics_pool_every_supervised_position_of_every_record() -> None:
+    """tasks/train.py's eval (whose simulated_accept_len picks checkpoints/best.json) weighs each record by its
+    supervised positions: over records one at a time it equals one padded batch of them all."""
+    from tasks.features.batches import collate
+    from tasks.train import evaluate_features
+
+    draft, generator = tiny_draft(), torch.Generator().manual_seed(4)
+    lm_head = torch.randn(TINY.vocab_size, TINY.target_hidden_size, generator=generator) * 3
+    records = []
+    for length, supervised_from in [(9, 2), (14, 8)]:
+        records.append({"input_ids": torch.randint(0, TINY.vocab_size, (length,), generator=generator),
+                        "loss_mask": (torch.arange(length) >= supervised_from).long(),
+                        "aux_hidden_state": torch.randn(length, 3 * TINY.target_hidden_size, generator=generator),
+                        "hidden_state": torch.randn(length, TINY.target_hidden_size, generator=generator)})
+    metrics = evaluate_features(draft, records, lm_head, steps=2)
+    with torch.no_grad():
+        pooled = ttt_forward(draft, collate(records, lm_head, draft.t2d), 2)
+    for step in range(2):
+        assert metrics[f"acc_{step}"] == pytest.approx(pooled.acc[step])
+        assert metrics[f"expected_accept_{step}"] == pytest.approx(pooled.expected_accept[step], rel=1e-5)
+    assert metrics["simulated_accept_len"] == pytest.approx(pooled.simulated_accept_len)
+    assert 0.0 < pooled.expected_accept[0] < 1.0

@@ -15,7 +15,10 @@ from tasks.features.shards import dense_teacher, dequantise_aux
 
 
 def record_teacher(record: Mapping[str, Any], lm_head_weight: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(target probs over the draft vocab, full-vocab top-1, top-1 in draft vocab) of one record."""
+    """(target probs of the draft tokens, full-vocab top-1, top-1 in draft vocab) of one record. Lossless
+    records give the full-vocab probabilities (their sum is the draft vocab's share of the target's mass);
+    compact records stored their top-K renormalised over the draft vocab, so theirs sum to 1 and their
+    expected acceptance reads as if the target kept no mass outside the draft vocab."""
     if "hidden_state" in record:
         return teacher_from_hidden(record["hidden_state"].to(lm_head_weight.device), lm_head_weight, t2d)
     draft_vocab_size = int(t2d.sum())
