@@ -629,3 +629,16 @@ def test_sharegpt_dummy_keeps_one_record_per_distinct_conversation(tmp_path):
     by_first = dedupe_run(tmp_path, "first_prompt", source).report.by_source["sharegpt"]
     assert by_turns == {"input": 500, "ok": 154, "error": 0, "skipped": 346}
     assert by_first == {"input": 500, "ok": 52, "error": 0, "skipped": 448}
+
+
+def test_linking_twice_keeps_the_link_and_replaces_a_different_file(tmp_path: Path) -> None:
+    """A sub-run of a killed benchmark links its inputs again: an existing link stays, another file is replaced."""
+    source, destination = tmp_path / "source.bin", tmp_path / "run" / "copy.bin"
+    source.write_bytes(b"weights")
+    artifacts.link_or_copy(source, destination)
+    artifacts.link_or_copy(source, destination)
+    assert destination.samefile(source)
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"other weights")
+    artifacts.link_or_copy(other, destination)
+    assert destination.read_bytes() == b"other weights" and source.read_bytes() == b"weights", "never written through"

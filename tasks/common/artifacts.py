@@ -89,8 +89,13 @@ def atomic_directory(path: Path) -> Iterator[Path]:
 
 
 def link_or_copy(source: Path, destination: Path) -> None:
-    """Hard-link a (large, immutable) file when the filesystem allows, else copy it."""
+    """Hard-link a (large, immutable) file when the filesystem allows, else copy it (a link left by an earlier,
+    killed run is kept)."""
     destination.parent.mkdir(parents=True, exist_ok=True)
+    if destination.exists():
+        if os.path.samefile(source, destination):
+            return
+        destination.unlink()  # never write through it: it may be a hard link to another run's file
     try:
         os.link(source, destination)
     except OSError:
