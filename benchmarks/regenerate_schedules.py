@@ -28,6 +28,7 @@ from typing import Any
 
 from contract.config import RunConfig
 from contract.config_loading import load_config
+from contract.secrets import redacted_mapping
 from regenerate_backends import spread
 from tasks import regenerate
 from tasks.common.artifacts import read_json, write_json
@@ -80,12 +81,14 @@ def main() -> None:
     todo = regenerate.read_prompts(out / "data" / "prompts.jsonl")[:args.records]
     params = regenerate.generation_params(cfg, read_json(out / "target.json"))
     launch = regenerate.regeneration_launch(cfg, out / "logs" / "regenerate-schedules.log")
-    launch.env.update(item.split("=", 1) for item in args.engine_env)
+    measured_env = dict(item.split("=", 1) for item in args.engine_env)
+    launch.env.update(measured_env)
+    shown_env = {**redacted_mapping(launch.env), **measured_env}  # the config's values are secret, ours are not
     variants = [(schedule, concurrency) for concurrency in args.concurrency for schedule in args.schedules]
     rates: dict[str, list[float]] = {f"{schedule}@{c}": [] for schedule, c in variants}
     outputs: dict[str, dict[str, Any]] = {}
     print(f"{len(todo)} records, max_new_tokens {settings.max_new_tokens}, chunk_records {settings.chunk_records}, "
-          f"engine env {launch.env}")
+          f"engine env {shown_env}")
     with serve(launch) as engine:
         regenerate_once(with_concurrency(cfg, 4), "stream", engine.base_url, todo[:4], params)  # warm-up
         for round_index in range(args.rounds):
@@ -105,7 +108,7 @@ def main() -> None:
         print(f"{name:>10}: {spread(values)}; {statistics.median(values) / reference:.2f}x {first}; "
               f"identical records {same}/{len(todo)}")
     write_json(out / "benchmarks" / "regenerate_schedules.json",
-               {"records": len(todo), "engine_env": launch.env, "variants": summary})
+               {"records": len(todo), "engine_env": shown_env, "variants": summary})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_serializer, field_validator,
+                      model_validator)
+
+from contract.secrets import REDACTED
 
 #: Decoder layers whose outputs the drafter fuses: its `fc` is Linear(3 * hidden -> hidden) (models/eagle3.py).
 AUX_LAYER_COUNT = 3
@@ -89,11 +92,23 @@ class RegenerationConfig(Section):
     backend = local: transformers in-process, batched with left padding.
     backend = openai: an OpenAI-compatible server at `base_url`, or, when `base_url` is unset, the engine
     named by `engine` started for the stage (see runtime.engines).
+
+    Secret (contract/secrets.py, `***` wherever the config is written): the userinfo of `base_url`, `api_key`,
+    the values of `headers` and of `engine_env`.
     """
 
     enabled: bool = True
     backend: Literal["local", "openai"] = "local"
-    base_url: Optional[str] = None
+    base_url: Optional[str] = Field(
+        default=None, description="the server's /v1 URL; a user:password@ in it is sent as basic auth (unless an "
+        "API key is configured) and never written")
+    api_key: Optional[SecretStr] = Field(
+        default=None, description="sent as Authorization: Bearer; prefer api_key_env, which keeps the key out of "
+        "config files")
+    api_key_env: Optional[str] = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="the NAME of an environment variable holding the API key, read when the stage opens the server")
+    headers: dict[str, str] = Field(default_factory=dict, description="extra headers on every request to the server")
     engine: Optional[Literal["vllm", "sglang"]] = None
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -109,7 +124,7 @@ class RegenerationConfig(Section):
         default_factory=dict,
         description="added to runtime.engines.<engine>.env for the engine this stage starts, e.g. all CPU cores for "
         "vLLM's CPU build (VLLM_CPU_NUM_OF_RESERVED_CPU=0): the stage has the machine to itself, the benchmark's "
-        "resident engines do not")
+        "resident engines do not; every value is secret, written as ***")
     seed: int = 0
     supervise: Literal["all", "last"] = "all"
     reasoning: Literal["off", "save"] = "off"
@@ -119,6 +134,22 @@ class RegenerationConfig(Section):
         if self.backend == "openai" and not self.base_url and not self.engine:
             raise ValueError("regeneration.backend 'openai' needs regeneration.base_url or regeneration.engine")
         return self
+
+    @model_validator(mode="after")
+    def _one_authorization(self) -> "RegenerationConfig":
+        """The API key is the Authorization header, so it has one source and `headers` do not set it too."""
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("regeneration.api_key and regeneration.api_key_env are both set; keep one")
+        has_key = self.api_key is not None or self.api_key_env is not None
+        if has_key and any(name.lower() == "authorization" for name in self.headers):
+            raise ValueError("regeneration.headers sets Authorization and an API key is configured (sent as "
+                             "Authorization: Bearer); keep one")
+        return self
+
+    @field_serializer("api_key", when_used="json")
+    def _api_key_never_in_clear(self, value: Optional[SecretStr]) -> Optional[str]:
+        """The redaction marker of every other secret (pydantic's own would be ten stars)."""
+        return None if value is None else REDACTED
 
 
 class ValidationConfig(Section):
@@ -331,7 +362,8 @@ class BenchmarkConfig(Section):
 
 
 class TrackingConfig(Section):
-    """MLflow tracking. `tracking_uri` unset means a sqlite store under the run's output dir."""
+    """MLflow tracking. `tracking_uri` unset means a sqlite store under the run's output dir. A user:password@ in
+    `tracking_uri` is secret: MLflow gets it through its own variables (tasks/common/mlflow_store.py)."""
 
     enabled: bool = True
     tracking_uri: Optional[str] = None
@@ -395,7 +427,9 @@ class EngineConfig(Section):
     python: str = Field(description="Python of the engine's own virtualenv")
     port: int = Field(default=8100, ge=1, le=65535)
     extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(
+        default_factory=dict, description="added to the engine's environment; every value is secret (tokens such as "
+        "HF_TOKEN go here) and written as ***")
     startup_timeout_s: float = Field(default=600.0, gt=0.0)
 
     @field_validator("env", mode="before")

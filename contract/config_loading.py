@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from contract.config import RunConfig
+from contract.secrets import is_secret_location, redacted_dump
 
 
 class ConfigError(ValueError):
@@ -107,9 +108,15 @@ def describe_error(item: dict[str, Any]) -> str:
         return message
     if item["type"] == "value_error":
         return f"{dotted or 'run config'}: {item['msg'].removeprefix('Value error, ')}"
+    return f"{dotted}: {item['msg']} (got {shown_input(item)})"
+
+
+def shown_input(item: dict[str, Any]) -> str:
+    """The rejected value as an error message may show it: never a secret field's."""
     got = item.get("input")
-    shown = repr(got) if not isinstance(got, dict) else "a mapping"
-    return f"{dotted}: {item['msg']} (got {shown})"
+    if is_secret_location(item["loc"]):
+        return "a value of a secret field, not shown"
+    return repr(got) if not isinstance(got, dict) else "a mapping"
 
 
 def closest_field(parent_location: tuple[Any, ...], unknown: str) -> str | None:
@@ -138,12 +145,13 @@ def field_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def config_as_yaml(config: RunConfig) -> str:
-    """The fully resolved config (defaults filled in), as a person would write it."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The fully resolved config (defaults filled in), as a person would write it, secrets redacted
+    (contract/secrets.py): what run.yaml, checkpoints and `eaglet config show` hold."""
+    return yaml.safe_dump(redacted_dump(config), sort_keys=False)
 
 
 def flatten_config(config: RunConfig) -> dict[str, str]:
-    """Dotted key → string value, the shape MLflow params want."""
+    """Dotted key → string value, the shape MLflow params want (secrets redacted)."""
     flat: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -153,5 +161,5 @@ def flatten_config(config: RunConfig) -> dict[str, str]:
         else:
             flat[prefix] = str(value)
 
-    walk("", config.model_dump(mode="json"))
+    walk("", redacted_dump(config))
     return flat

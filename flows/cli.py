@@ -135,6 +135,7 @@ def refuse(what: str, error: RunLocked) -> NoReturn:
 def stage_errors() -> tuple[type[Exception], ...]:
     """Errors whose message says all a person needs: printed without a traceback."""
     from contract.checkpoint import ContractMismatch
+    from contract.secrets import SecretUnavailable
     from tasks.common.assets import AssetMissing
     from tasks.benchmark import BenchmarkFailed
     from tasks.serving.engine import EngineStartError
@@ -143,7 +144,7 @@ def stage_errors() -> tuple[type[Exception], ...]:
     from tasks.training.checkpoint import ResumeRefused
 
     return (AssetMissing, BenchmarkFailed, ContractMismatch, EngineStartError, GreedyMismatch, ResumeRefused,
-            TrainingDiverged, TrainingFailed, FileNotFoundError)
+            SecretUnavailable, TrainingDiverged, TrainingFailed, FileNotFoundError)
 
 
 @app.command("run")

@@ -34,6 +34,7 @@ from contract.config import RunConfig
 from contract.reasoning import ReasoningError, split_reasoning
 from contract.records import (GenerationParams, Message, Outcome, PromptRecord, StageReport, TurnGeneration,
                               read_prompt_records)
+from contract.secrets import redacted_url, unredacted_mapping
 from tasks.common.artifacts import read_json, write_json, write_jsonl
 from tasks.data.generation import GenerationReply, GenerationRequest, Generator
 from tasks.data.journal import Journal
@@ -152,8 +153,9 @@ def read_prompts(path: Path) -> list[tuple[str, PromptRecord]]:
 def generation_params(cfg: RunConfig, target_info: dict[str, Any]) -> GenerationParams:
     settings = cfg.regeneration
     backend = settings.backend if settings.enabled else "source"
+    server = redacted_url(settings.base_url) if settings.base_url else settings.engine  # written into every record
     return GenerationParams(
-        backend=backend if backend != "openai" else f"openai:{settings.base_url or settings.engine}",
+        backend=backend if backend != "openai" else f"openai:{server}",
         model_id=target_info["id"],
         model_revision=target_info["revision"],
         template_hash=target_info["chat_template_hash"],
@@ -167,11 +169,12 @@ def generation_params(cfg: RunConfig, target_info: dict[str, Any]) -> Generation
 
 
 def settings_fingerprint(params: GenerationParams, cfg: RunConfig) -> str:
-    """Identifies the target and generation settings; a journal written under others is not resumed."""
+    """Identifies the target and generation settings; a journal written under others is not resumed. Scheduling
+    and credentials change no generation, so a new key or more concurrency resumes the journal."""
     digest = hashlib.sha256()
     digest.update(params.model_dump_json().encode())
-    digest.update(cfg.regeneration.model_dump_json(exclude={"concurrency", "chunk_records", "batch_size",
-                                                            "engine_env"}).encode())
+    digest.update(cfg.regeneration.model_dump_json(exclude={"concurrency", "chunk_records", "batch_size", "engine_env",
+                                                            "api_key", "api_key_env", "headers"}).encode())
     return digest.hexdigest()
 
 
@@ -208,7 +211,7 @@ def regeneration_launch(cfg: RunConfig, log_path: Path):
     settings = cfg.regeneration
     launch = EngineLaunch.from_config(settings.engine, cfg.runtime.engines[settings.engine],
                                       model=cfg.output_path / "target", log_path=log_path)
-    launch.env.update(settings.engine_env)
+    launch.env.update(unredacted_mapping(settings.engine_env, "regeneration.engine_env"))
     return launch
 
 

@@ -55,6 +55,7 @@ from tasks.training.batch_plan import Cursor, epoch_batches, optimizer_steps, ra
 from tasks.training.parallel import (Distributed, full_draft_weights, full_optimizer_state, gradient_sync,
                                      load_full_state, parallelise, setup_distributed)
 from tasks.training.outputs import export, plot_accuracy, training_tracker
+from tasks.training.rank_environment import rank_secrets, with_rank_secrets
 
 
 class TrainingDiverged(RuntimeError):
@@ -104,7 +105,8 @@ def run(cfg: RunConfig) -> TrainResult:
 
 
 def launch_ranks(cfg: RunConfig, world: int) -> TrainResult:
-    """Run `world` ranks with torchrun on this node; their log goes to train/torchrun.log."""
+    """Run `world` ranks with torchrun on this node; their log goes to train/torchrun.log. launch.yaml is redacted
+    like every written config; the secrets the ranks need go in their environment (tasks/training/rank_environment.py)."""
     train_dir = cfg.output_path / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
     config_path = train_dir / "launch.yaml"
@@ -114,7 +116,8 @@ def launch_ranks(cfg: RunConfig, world: int) -> TrainResult:
                "-m", "tasks.train", "--config", str(config_path)]
     log_path = train_dir / "torchrun.log"
     with open(log_path, "w", encoding="utf-8") as log:
-        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **parent_run_env()})
+        rank_env = {**os.environ, **parent_run_env(), **rank_secrets(cfg)}
+        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=rank_env)
     if completed.returncode != 0:
         tail = "\n".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-40:])
         raise TrainingFailed(f"{' '.join(command)} exited with {completed.returncode}; end of {log_path}:\n{tail}")
@@ -480,7 +483,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="eaglet training rank (started by `eaglet stage train`)")
     parser.add_argument("--config", required=True)
     arguments = parser.parse_args()
-    train(load_config(arguments.config))
+    train(with_rank_secrets(load_config(arguments.config)))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ It generates greedily with transformers (the same model the local backend runs).
 the first N chat requests with `--fail-status`; `--scripted` maps a user prompt to a fixed reply
 (`content`, optional `reasoning_content`, optional `delay_s` before answering) to test how replies are parsed
 and scheduled, or to a refusal (`status`, e.g. 400, and the error `message`, in vLLM's error body).
-`GET /stats` counts chat requests and lists each one's last message in arrival order.
+`GET /stats` counts chat requests and lists each one's last message in arrival order, and the headers of every
+request (`request_headers`: path and headers, lower-cased names), to check what a client sends.
 Binds 127.0.0.1 only.
 """
 
@@ -43,7 +44,7 @@ class ChatModel:
 
 
 def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: dict[str, dict[str, str]]):
-    state: dict[str, Any] = {"chat_requests": 0, "arrivals": []}
+    state: dict[str, Any] = {"chat_requests": 0, "arrivals": [], "request_headers": []}
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -58,7 +59,14 @@ def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: 
             self.end_headers()
             self.wfile.write(payload)
 
+        def note_headers(self) -> None:
+            with lock:
+                state["request_headers"].append(
+                    {"path": self.path, "headers": {name.lower(): value for name, value in self.headers.items()}})
+
         def do_GET(self) -> None:
+            if self.path != "/stats":
+                self.note_headers()
             if self.path == "/v1/models":
                 self.send_json(200, {"object": "list", "data": [{"id": "test-target", "object": "model"}]})
             elif self.path == "/stats":
@@ -67,6 +75,7 @@ def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: 
                 self.send_json(404, {"error": "not found"})
 
         def do_POST(self) -> None:
+            self.note_headers()
             if self.path != "/v1/chat/completions":
                 self.send_json(404, {"error": "not found"})
                 return

@@ -6,14 +6,12 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import httpx
 import pytest
 import yaml
 
@@ -22,6 +20,9 @@ from contract.records import PromptRecord
 from tasks import ingest, regenerate, target
 from tasks.data.generation import GenerationRequest
 from tasks.data.generation_local import LocalGenerator
+from tasks.serving.engine import free_port
+
+from chat_server import ChatServer
 
 TESTS = Path(__file__).resolve().parent
 MULTI_TURN = {"question_id": 1, "category": "writing", "turns": ["Tell me a story about a bird.", "Now make it shorter."]}
@@ -164,42 +165,6 @@ def test_a_journal_for_other_settings_is_not_resumed(tmp_path: Path, tiny_target
 
 
 # ------------------------------------------------------------------------- OpenAI-compatible backend
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class ChatServer:
-    """tests/openai_server.py as a real process on 127.0.0.1."""
-
-    def __init__(self, model_dir: Path, port: int, *options: str) -> None:
-        self.url = f"http://127.0.0.1:{port}/v1"
-        command = [sys.executable, str(TESTS / "openai_server.py"), "--model", str(model_dir), "--port", str(port), *options]
-        self.process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/models", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("test server did not start")
-
-    def chat_requests(self) -> int:
-        return httpx.get(self.url.removesuffix("/v1") + "/stats").json()["chat_requests"]
-
-    def arrivals(self) -> list[str]:
-        """The last message of every chat request, in the order the server received them."""
-        return httpx.get(self.url.removesuffix("/v1") + "/stats").json()["arrivals"]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=30)
 
 
 @pytest.fixture

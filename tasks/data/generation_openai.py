@@ -5,6 +5,7 @@ regenerate stage instead streams records through `generate_one`, so each record'
 moment its previous one returns and the engine's batch never drains between rounds. Transient failures (429, 5xx, connection errors, timeouts) are
 retried with exponential backoff; a 4xx bad request is not retried, since sending it again cannot help: its reply
 is marked `refused`, and the regenerate stage stops when the server refuses every request (tasks/regenerate.py).
+Every request carries the configured credentials and headers (tasks/data/server_access.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import httpx
 
 from contract.config import RegenerationConfig
 from tasks.data.generation import GenerationReply, GenerationRequest
+from tasks.data.server_access import server_access
 
 RETRYABLE_STATUS = {408, 409, 425, 429}
 TRANSIENT_ERRORS = (httpx.TransportError, httpx.TimeoutException)
@@ -27,14 +29,16 @@ class OpenAIGenerator:
     streams_records = True
 
     def __init__(self, base_url: str, settings: RegenerationConfig, model: Optional[str] = None) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.access = server_access(base_url, settings)
+        self.base_url = self.access.base_url
         self.settings = settings
         self.model = model or self.first_served_model()
         self.rng = random.Random(settings.seed)
 
     def first_served_model(self) -> str:
         """The server's first model id (engines serve one model)."""
-        response = httpx.get(f"{self.base_url}/models", timeout=self.settings.request_timeout_s)
+        response = httpx.get(f"{self.base_url}/models", headers=self.access.headers,
+                             timeout=self.settings.request_timeout_s)
         response.raise_for_status()
         return response.json()["data"][0]["id"]
 
@@ -54,7 +58,8 @@ class OpenAIGenerator:
     def client(self) -> httpx.AsyncClient:
         """One connection pool for a stage's requests (`generate_one` takes it)."""
         limits = httpx.Limits(max_connections=self.settings.concurrency + 4)
-        return httpx.AsyncClient(timeout=httpx.Timeout(self.settings.request_timeout_s), limits=limits)
+        return httpx.AsyncClient(headers=self.access.headers, timeout=httpx.Timeout(self.settings.request_timeout_s),
+                                 limits=limits)
 
     def payload(self, request: GenerationRequest) -> dict[str, Any]:
         return {

@@ -132,9 +132,12 @@ def download_drafter(cfg_or_uri: RunConfig | str, model_name: str, alias: str, e
 
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    from tasks.common.mlflow_store import tracking_uri
+    from tasks.common.mlflow_store import hand_credentials_to_mlflow, tracking_uri
 
-    uri = cfg_or_uri if isinstance(cfg_or_uri, str) else tracking_uri(cfg_or_uri)
+    if isinstance(cfg_or_uri, str):
+        uri = hand_credentials_to_mlflow(cfg_or_uri, "the tracking URI")
+    else:
+        uri = tracking_uri(cfg_or_uri)
     try:
         mlflow.MlflowClient(uri).get_model_version_by_alias(model_name, alias)
     except MlflowException as error:

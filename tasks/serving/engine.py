@@ -32,6 +32,8 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Literal, Optional
 
+from contract.secrets import unredacted_mapping
+
 EngineKind = Literal["vllm", "sglang"]
 
 HOST = "127.0.0.1"
@@ -82,7 +84,7 @@ class EngineLaunch:
     topk: int = 1                    # > 1: an SGLang draft tree (vLLM drafts chains only)
     num_draft_tokens: Optional[int] = None   # SGLang: tokens verified per round (None: steps + 1 for a chain)
     extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # secret values (contract/secrets.py)
     startup_timeout_s: float = 600.0
     served_model_name: str = "target"
 
@@ -100,7 +102,8 @@ class EngineLaunch:
         num_draft_tokens: Optional[int] = None,
         served_model_name: str = "target",
     ) -> "EngineLaunch":
-        """Build a launch from a `contract.config.EngineConfig` (python, port, extra_args, env, startup_timeout_s)."""
+        """Build a launch from a `contract.config.EngineConfig` (python, port, extra_args, env, startup_timeout_s);
+        an env value read back as `***` from a redacted config is refused, naming it."""
         return cls(
             kind=kind,
             model=Path(model),
@@ -112,7 +115,7 @@ class EngineLaunch:
             topk=topk,
             num_draft_tokens=num_draft_tokens,
             extra_args=list(engine.extra_args),
-            env=dict(engine.env),
+            env=unredacted_mapping(engine.env, f"runtime.engines.{kind}.env"),
             startup_timeout_s=engine.startup_timeout_s,
             served_model_name=served_model_name,
         )

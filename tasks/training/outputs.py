@@ -11,6 +11,7 @@ import torch
 from contract.checkpoint import ENGINES, CheckpointContract
 from contract.config import RunConfig
 from contract.config_loading import config_as_yaml
+from contract.secrets import redacted_dump
 from models.eagle3 import Eagle3Draft
 from tasks.common.artifacts import read_json, save_figure
 
@@ -35,7 +36,7 @@ def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: 
                   "master_weights": "float32", "steps": steps, "world_size": world_size,
                   "parallelism": cfg.deployment.trainer.strategy, "grad_accumulation": cfg.training.grad_accumulation},
         versions={"torch": torch.__version__}, evaluation=eval_metrics,
-        data={"features_fingerprint": manifest.get("fingerprint"), "regeneration": cfg.regeneration.model_dump(mode="json")},
+        data={"features_fingerprint": manifest.get("fingerprint"), "regeneration": redacted_dump(cfg)["regeneration"]},
     )
     with atomic_directory(cfg.output_path / "draft") as staging:  # both engines' folders appear together or not at all
         for engine in ENGINES:
