@@ -17,6 +17,9 @@ so at a node with target probs p the children are tried in order, each accepted 
 a rejected child's mass is removed and p renormalised; if all are rejected the token is drawn from what is left
 (SGLang's "target only" tree sampling, a multi-candidate rejection sampler with point-mass drafts).
 
+The greedy reference, `target_generate`, is HF `generate`: it shares none of TargetState's cache, mask and
+position code, so a bug there shows as a greedy mismatch instead of agreeing with itself.
+
 With `steps` S, `topk` 1 and `num_draft_tokens` S + 1 this is SGLang's chain mode; the tree mode matches
 `--speculative-eagle-topk K --speculative-num-steps S --speculative-num-draft-tokens N`. Batch size 1.
 """
@@ -24,8 +27,9 @@ With `steps` S, `topk` 1 and `num_draft_tokens` S + 1 this is SGLang's chain mod
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -60,18 +64,23 @@ class TargetState:
         """Run `tokens` after the cached prefix; returns (logits [q, V] fp32, aux [q, k*H] or None).
 
         positions: int [q]; visible: bool [q, q] between the new tokens (each also sees the whole prefix)."""
-        prefix = torch.ones(len(tokens), self.length, dtype=torch.bool)
-        allowed = torch.cat([prefix, visible.cpu()], dim=1)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
         with captured_outputs(self.model, self.aux_layer_ids) as captured:
             output = self.model(
                 input_ids=torch.tensor([list(tokens)], device=self.device),
-                attention_mask=mask[None, None].to(self.device),
+                attention_mask=self.attention_mask(visible).to(self.device),
                 position_ids=positions[None].to(self.device),
                 cache=self.cache, use_cache=True,
             )
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)[0] if self.aux_layer_ids else None
         return output.logits[0].float(), aux
+
+    def attention_mask(self, visible: Tensor) -> Tensor:
+        """The additive 4D mask [1, 1, q, prefix + q]: every new token sees the cached prefix, and `visible` among
+        the new tokens."""
+        prefix = torch.ones(visible.shape[0], self.length, dtype=torch.bool)
+        allowed = torch.cat([prefix, visible.cpu()], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        return mask[None, None]
 
     def keep(self, positions: Tensor) -> None:
         """Keep only these cache positions (the prefix and the accepted path): a gather, nothing is recomputed."""
@@ -199,18 +208,54 @@ def prefill(target: TargetState, prompt_ids: Sequence[int]) -> tuple[Tensor, Opt
 def target_generate(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                     eos_token_id: Optional[int | Sequence[int]] = None,
                     generator: Optional[torch.Generator] = None) -> list[int]:
-    """The target alone, one token per forward, through the same cache code: the baseline to compare with."""
-    sink = TokenSink(max_new_tokens, eos_token_id)
-    if sink.done:
+    """The target alone through HF `generate`: the reference a greedy speculative output must equal.
+
+    `generate` keeps its own cache, causal mask and positions, so it shares none of TargetState's 4D-mask
+    code: a bug there changes the speculative output and not this one, and the comparison sees it. Up to
+    max_new_tokens tokens, stopping after an EOS; at temperature T > 0 a sample of softmax(logits / T) from
+    the global RNG, seeded from `generator` (the caller's RNG state is left as it was)."""
+    if max_new_tokens <= 0:
         return []
-    with torch.inference_mode():
-        target = TargetState(model)
-        logits, _ = prefill(target, prompt_ids)
-        sink.extend([choose_token(logits[-1], temperature, generator)])
-        while not sink.done:
-            logits, _ = target.forward(sink.tokens[-1:], torch.tensor([target.length]), torch.ones(1, 1, dtype=torch.bool))
-            sink.extend([choose_token(logits[-1], temperature, generator)])
-    return sink.tokens
+    if not prompt_ids:
+        raise ValueError("the prompt has no tokens")
+    ids = torch.tensor([list(prompt_ids)], device=next(model.parameters()).device)
+    with plain_generation_config(model), seeded_global_rng(generator), torch.inference_mode():
+        output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                eos_token_id=sorted(stop_ids(eos_token_id)) or None, **sampling_settings(temperature))
+    return output[0, len(prompt_ids):].tolist()
+
+
+def sampling_settings(temperature: float) -> dict[str, Any]:
+    """`generate`'s settings for the argmax (T = 0) or a sample of softmax(logits / T) over the whole vocabulary."""
+    if temperature == 0.0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0}
+
+
+@contextmanager
+def plain_generation_config(model: Any) -> Iterator[None]:
+    """`generate` fills every setting it is not given from the model's generation_config (a repetition penalty,
+    top-p, a min length): a blank one for the call keeps the reference the target's own distribution."""
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+@contextmanager
+def seeded_global_rng(generator: Optional[torch.Generator]) -> Iterator[None]:
+    """`generate` samples from the global RNGs: seeded from `generator` when there is one, restored afterwards."""
+    if generator is None:
+        yield
+        return
+    seed = int(torch.randint(2**62, (), generator=generator))
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        torch.manual_seed(seed)
+        yield
 
 
 class SpeculativeDecoder:

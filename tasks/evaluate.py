@@ -5,9 +5,11 @@ held-out records `data/eval.jsonl` (MT-bench for the embedded default). Every su
 record is one prompt: the conversation up to that turn's generation prompt, so turn 2 of MT-bench sees
 turn 1 as the target wrote it.
 
-Each prompt is decoded by the target alone and by speculative decoding (models/speculative.py) as a chain
-(`evaluation.steps` S, topk 1, S + 1 tokens: what vLLM's `num_speculative_tokens` = S runs) and, when
-`evaluation.topk` > 1, as a dynamic tree (topk K, steps S, `num_draft_tokens` N, like SGLang's flags).
+Each prompt is decoded by the target alone (HF `generate`, which shares none of the speculative decoder's
+cache, mask and position code, so a bug there cannot agree with itself) and by speculative decoding
+(models/speculative.py) as a chain (`evaluation.steps` S, topk 1, S + 1 tokens: what vLLM's
+`num_speculative_tokens` = S runs) and, when `evaluation.topk` > 1, as a dynamic tree (topk K, steps S,
+`num_draft_tokens` N, like SGLang's flags).
 Greedy (temperature 0) outputs must equal the target's token for token: a mismatch fails the stage after the
 report is written, naming the prompts.
 

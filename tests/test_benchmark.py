@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -416,52 +415,6 @@ def test_rounds_alternate_and_report_the_median_speedup_with_its_spread(tmp_path
 # --- the real vLLM CPU build ----------------------------------------------------------------------------
 
 
-def whole_word_target(source: Path, destination: Path) -> Path:
-    """The peaked tiny target that only ever emits whole-word tokens (' fox', ' the').
-
-    The random target otherwise emits byte fragments that decode to U+FFFD, so its greedy text does not
-    tokenize back to what it generated and a drafter trained on that text never sees the engine's tokens.
-    A word after a space is its own pre-token, so text made of these tokens tokenizes back to the same ids.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from training_run import peaked_target
-
-    peaked_target(source, destination)
-    tokenizer = AutoTokenizer.from_pretrained(destination)
-    model = AutoModelForCausalLM.from_pretrained(destination, dtype=torch.float32)
-    words = [token for token in range(len(tokenizer)) if is_whole_word(tokenizer, token)]
-    keep = torch.zeros(len(tokenizer), dtype=torch.bool)
-    keep[words] = True
-    with torch.no_grad():
-        model.lm_head.weight[~keep] = 0.0  # logit 0 loses to the x20 logits of the words
-    model.save_pretrained(destination)
-    return destination
-
-
-def is_whole_word(tokenizer: Any, token: int) -> bool:
-    text = tokenizer.decode([token])
-    return bool(re.fullmatch(r" [A-Za-z]+", text)) and tokenizer.encode(text, add_special_tokens=False) == [token]
-
-
-def greedy_answers(model_dir: Path, questions: list[str], max_new_tokens: int) -> list[str]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    answers = []
-    for question in questions:
-        encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)
-        with torch.no_grad():
-            output = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False,
-                                    pad_token_id=tokenizer.eos_token_id)
-        answers.append(tokenizer.decode(output[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True))
-    return answers
-
-
 @pytest.fixture(scope="module")
 def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -> RunConfig:
     """target, data, capture and train on the tiny target; the drafter learns the target's own greedy text.
@@ -470,7 +423,7 @@ def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path)
     trained on, so its drafts are accepted (the point here is serving, not generalisation).
     """
     from tasks import capture, target, train
-    from training_run import QUESTIONS, record
+    from training_run import QUESTIONS, greedy_answers, record, whole_word_target, write_records
 
     root = tmp_path_factory.mktemp("benchmark")
     model_dir = whole_word_target(tiny_target_dir, root / "word-target")
@@ -486,13 +439,10 @@ def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path)
         "tracking": {"enabled": False},
     })
     target.run(cfg)
-    questions = [question for question, _ in QUESTIONS]
-    answers = greedy_answers(cfg.output_path / "target", questions, max_new_tokens=24)
-    rows = [record(index, question, answer) for index, (question, answer) in enumerate(zip(questions, answers))]
-    data = cfg.output_path / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (data / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    answers = greedy_answers(cfg.output_path / "target", QUESTIONS, max_new_tokens=24)
+    rows = [record(index, question, answer) for index, (question, answer) in enumerate(zip(QUESTIONS, answers))]
+    write_records(cfg.output_path / "data" / "train.jsonl", rows)
+    write_records(cfg.output_path / "data" / "eval.jsonl", rows)
     capture.run(cfg)
     train.run(cfg)
     return cfg

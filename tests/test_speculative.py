@@ -19,6 +19,7 @@ from models.speculative import SpeculativeDecoder, TargetState, prefill, target_
 from models.target_capture import capture_states
 from models.ttt import TTTBatch, causal_plus_diagonal_attention, teacher_from_hidden, ttt_forward
 from models.vocab_mapping import build_vocab_mapping, count_tokens
+from target_bugs import BUGS, cached_greedy_decode
 from training_run import peaked_target
 
 AUX_LAYERS = [1, 2, 3]
@@ -117,9 +118,17 @@ def check_greedy_equivalence(decoder: SpeculativeDecoder, model, prompts: list[l
             tokens, stats = decoder.generate(prompt, length)
             assert tokens == expected[:length], (prompt, length, decoder.topk)
             assert stats.generated_tokens == length and stats.target_forwards == stats.rounds + 1
-            assert all(1 <= accepted <= decoder.steps + 1 for accepted in stats.accept_lengths)
+            check_round_accounting(stats.accept_lengths, length)
         means.append(stats.mean_accept_length)
     return means
+
+
+def check_round_accounting(accept_lengths: list[int], length: int) -> None:
+    """The prefill's token plus every round's accepted drafts and bonus cover `length` tokens, and the last
+    round was needed: the decoder neither stops short nor runs a round too many."""
+    produced = 1 + sum(accept_lengths)
+    before_last_round = produced - accept_lengths[-1] if accept_lengths else 0
+    assert before_last_round < length <= produced, (accept_lengths, length)
 
 
 @pytest.mark.parametrize("steps, topk, num_draft_tokens", CONFIGS)
@@ -156,6 +165,34 @@ def test_greedy_output_equals_the_targets_with_a_random_draft(target, untrained_
     decoder = SpeculativeDecoder(target, untrained_draft, AUX_LAYERS, steps, topk, num_draft_tokens)
     means = check_greedy_equivalence(decoder, target, prompts["trained"][:3] + prompts["unseen"], (3, 24))
     assert min(means) >= 1.0
+
+
+@pytest.mark.parametrize("plant_bug", BUGS, ids=lambda bug: bug.__name__)
+def test_a_target_forward_bug_that_a_cached_baseline_shares_is_caught(target, trained_draft, prompts, monkeypatch,
+                                                                       plant_bug) -> None:
+    """The reference (target_generate: HF generate) shares no code with TargetState: a wrong position or mask
+    there changes the speculative output and not the reference, though a baseline decoded through TargetState
+    (the old one) agrees with the broken decoder."""
+    decoder = SpeculativeDecoder(target, trained_draft, AUX_LAYERS, steps=3, topk=2, num_draft_tokens=6)
+    texts = prompts["trained"] + prompts["unseen"]
+    expected = [target_generate(target, prompt, 24) for prompt in texts]
+    plant_bug(monkeypatch)
+    broken = [decoder.generate(prompt, 24)[0] for prompt in texts]
+    assert [target_generate(target, prompt, 24) for prompt in texts] == expected, "the reference is untouched"
+    assert broken == [cached_greedy_decode(target, prompt, 24) for prompt in texts], "the old baseline agrees"
+    changed = sum(output != reference for output, reference in zip(broken, expected))
+    print(f"{plant_bug.__name__}: {changed}/{len(texts)} greedy outputs differ from the reference")
+    assert changed > 0, "the greedy-equivalence check sees the bug"
+
+
+def test_the_reference_ignores_the_checkpoints_generation_defaults(target, prompts) -> None:
+    """A checkpoint's generation_config (Qwen ships a repetition penalty, Llama top-p sampling) must not shape
+    the greedy reference: it stays the target's plain argmax, and the model keeps its settings."""
+    opinionated = copy.deepcopy(target)
+    opinionated.generation_config.update(do_sample=True, top_p=0.5, repetition_penalty=1.5)
+    for prompt in prompts["trained"][:3] + prompts["unseen"]:
+        assert target_generate(opinionated, prompt, 24) == cached_greedy_decode(target, prompt, 24)
+    assert opinionated.generation_config.repetition_penalty == 1.5
 
 
 def drafted_tree(target, draft: Eagle3Draft, prompt: list[int], topk: int, steps: int,

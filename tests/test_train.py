@@ -44,10 +44,10 @@ def test_training_improves_acceptance_and_exports_the_draft(base_run, tmp_path: 
     result = train.run(cfg)
     summary = result.values
     assert summary["complete"] and summary["steps"] == summary["total_steps"] > 10
-    # acc_k counts a target top-1 outside the 128-token draft vocabulary as a miss (the engine could not accept
-    # it), which caps what this tiny run can reach; training must still lift it well above the untrained draft.
-    assert summary["eval_simulated_accept_len"] > summary["untrained_simulated_accept_len"] + 0.15, summary
-    assert summary["eval_acc_0"] > 0.1, summary
+    # Measured on held-out records (training_run.HELD_OUT_QUESTIONS): acc_0 0.64, simulated accept length 1.11
+    # against 0.0 untrained. Training must lift the prompts it never saw well above the untrained draft.
+    assert summary["eval_simulated_accept_len"] > summary["untrained_simulated_accept_len"] + 0.5, summary
+    assert summary["eval_acc_0"] > 0.4, summary
     for engine in ("sglang", "vllm"):
         config = json.loads((cfg.output_path / "draft" / engine / "config.json").read_text())
         assert config["architectures"] == ["LlamaForCausalLMEagle3"]

@@ -1,8 +1,14 @@
-"""A captured run on the tiny target, ready for the train stage (shared by the training tests)."""
+"""A captured run on the tiny target, ready for the train stage (shared by the training tests).
+
+The answers are the target's own greedy text, as the regenerate stage writes them, so the drafter learns the
+target's distribution; `data/eval.jsonl` holds only prompts that no training record has, so every eval metric
+is measured on records the drafter was not trained on.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,13 +20,19 @@ from contract.config import RunConfig
 from tasks import capture, target
 
 QUESTIONS = [
-    ("What is the capital of France?", "The capital of France is Paris."),
-    ("Hello, how are you today?", "I am fine, thank you."),
-    ("Tell me a story about a small bird.", "A small bird learns to fly over the sea."),
-    ("Write a Python function that adds two numbers.", "def add(a, b): return a + b"),
-    ("What is the quick brown fox?", "The quick brown fox jumps over the lazy dog."),
-    ("Say hello.", "Hello, how are you today?"),
+    "What is the capital of France?",
+    "Hello, how are you today?",
+    "Tell me a story about a small bird.",
+    "Write a Python function that adds two numbers.",
+    "What is the quick brown fox?",
+    "Say hello.",
 ]
+#: The eval records' prompts: in the training prompts' style and words, and none of them.
+HELD_OUT_QUESTIONS = [
+    "Tell me a story about a quick brown fox.",
+    "Write a Python function that adds three numbers.",
+]
+ANSWER_TOKENS = 24
 
 
 def peaked_target(source: Path, destination: Path) -> Path:
@@ -35,6 +47,45 @@ def peaked_target(source: Path, destination: Path) -> Path:
     return destination
 
 
+def whole_word_target(source: Path, destination: Path) -> Path:
+    """The peaked tiny target that only ever emits whole-word tokens (' fox', ' the').
+
+    The random target otherwise emits byte fragments that decode to U+FFFD, so its greedy text does not
+    tokenize back to what it generated and a drafter trained on that text never sees the target's tokens.
+    A word after a space is its own pre-token, so text made of these tokens tokenizes back to the same ids.
+    """
+    peaked_target(source, destination)
+    tokenizer = AutoTokenizer.from_pretrained(destination)
+    model = AutoModelForCausalLM.from_pretrained(destination, dtype=torch.float32)
+    words = [token for token in range(len(tokenizer)) if is_whole_word(tokenizer, token)]
+    keep = torch.zeros(len(tokenizer), dtype=torch.bool)
+    keep[words] = True
+    with torch.no_grad():
+        model.lm_head.weight[~keep] = 0.0  # logit 0 loses to the x20 logits of the words
+    model.save_pretrained(destination)
+    return destination
+
+
+def is_whole_word(tokenizer: Any, token: int) -> bool:
+    text = tokenizer.decode([token])
+    return bool(re.fullmatch(r" [A-Za-z]+", text)) and tokenizer.encode(text, add_special_tokens=False) == [token]
+
+
+def greedy_answers(model_dir: Path, questions: list[str], max_new_tokens: int) -> list[str]:
+    """The target's greedy reply to each question asked alone."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    answers = []
+    for question in questions:
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            output = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.eos_token_id)
+        answers.append(tokenizer.decode(output[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True))
+    return answers
+
+
 def record(index: int, question: str, answer: str) -> dict[str, Any]:
     return {"id": f"chats:{index}", "source": "chats", "split": "auto",
             "provenance": {"file": "chats.jsonl", "line": index + 1, "format": "openai"},
@@ -42,9 +93,15 @@ def record(index: int, question: str, answer: str) -> dict[str, Any]:
                          {"role": "assistant", "content": answer, "supervised": True}]}
 
 
+def write_records(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 def captured_run(directory: Path, tiny_target_dir: Path, **training: Any) -> RunConfig:
-    """target + train/eval jsonl + capture under `directory`; returns the run config."""
-    model_dir = peaked_target(tiny_target_dir, directory.parent / "peaked-target")
+    """target + train/eval jsonl (the target's answers; eval = the held-out questions) + capture under
+    `directory`; returns the run config."""
+    model_dir = whole_word_target(tiny_target_dir, directory.parent / "word-target")
     cfg = RunConfig.model_validate({
         "output_dir": str(directory), "model": {"source": "local", "path": str(model_dir)},
         "capture": {"aux_layer_ids": [1, 2, 3], "dtype": "float32", "draft_vocab_size": 128, "records_per_shard": 2},
@@ -53,11 +110,12 @@ def captured_run(directory: Path, tiny_target_dir: Path, **training: Any) -> Run
         "tracking": {"enabled": False},
     })
     target.run(cfg)
+    questions = QUESTIONS + HELD_OUT_QUESTIONS
+    answers = greedy_answers(cfg.output_path / "target", questions, ANSWER_TOKENS)
+    rows = [record(index, question, answer) for index, (question, answer) in enumerate(zip(questions, answers))]
     data = directory / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    rows = [record(index, q, a) for index, (q, a) in enumerate(QUESTIONS)]
-    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (data / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:2]))
+    write_records(data / "train.jsonl", rows[:len(QUESTIONS)])
+    write_records(data / "eval.jsonl", rows[len(QUESTIONS):])
     capture.run(cfg)
     return cfg
 
