@@ -46,6 +46,7 @@ def prepare_run(tmp_path: Path, model_dir: Path, items: list[dict[str, Any]], **
         "model": {"source": "local", "path": str(model_dir)},
         "data": {"sources": [{"name": "chats", "path": str(source)}]},
         "regeneration": settings,
+        "capture": {"aux_layer_ids": [1, 2, 3]},  # the default ids repeat a layer of the 6-layer target
         "tracking": {"enabled": False},
     })
     target.run(cfg)
