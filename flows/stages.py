@@ -45,7 +45,8 @@ STAGE_READS: dict[str, StageReads] = {
                          "runtime.seed")),
     "evaluate": StageReads(("evaluation", "validation.max_length", "model.dtype", "model.trust_remote_code",
                             "runtime.device", "runtime.seed")),
-    "benchmark": StageReads(("benchmark", "evaluation", "registry.engine_tolerance", "runtime.engines")),
+    "benchmark": StageReads(("benchmark", "evaluation", "registry.engine_tolerance", "registry.speedup_concurrency",
+                             "runtime.engines")),
     "register": StageReads(("registry", "tracking", "evaluation", "validation.max_length", "run_id")),
 }
 
