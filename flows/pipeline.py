@@ -47,13 +47,14 @@ class StageFailed(RuntimeError):
 
 @dataclass
 class StageInputs(CachePolicy):
-    """Prefect cache key of a stage: its dvc.yaml deps by content and its params by value."""
+    """Prefect cache key of a stage (flows/stage_cache.py), computed once by run_stage: hashing the deps walks
+    every feature shard, and the key is also where run_stage checks the stored record first."""
 
-    stage: str = ""
+    key: str = ""
 
     def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> Optional[str]:
-        return stage_cache_key(self.stage, inputs["cfg"])
+        return self.key
 
 
 def is_transient(error: object) -> bool:
@@ -72,13 +73,13 @@ def retry_transient_only(task: Any, task_run: TaskRun, state: State) -> bool:
     return is_transient(state.result(raise_on_failure=False))
 
 
-def stage_task(name: str, cfg: RunConfig, use_cache: bool = True) -> Any:
+def stage_task(name: str, cfg: RunConfig, key: str, use_cache: bool = True) -> Any:
     """The Prefect task of one stage: cached on its inputs unless its outputs changed or caching is off."""
     reuse = use_cache and outputs_unchanged(name, cfg)
     return task(
         recorded(stage_function(name)),
         name=name,
-        cache_policy=StageInputs(stage=name),
+        cache_policy=StageInputs(key=key),
         refresh_cache=not reuse,
         persist_result=True,
         result_storage=results_dir(cfg),
@@ -91,8 +92,9 @@ def stage_task(name: str, cfg: RunConfig, use_cache: bool = True) -> Any:
 
 def run_stage(name: str, cfg: RunConfig, use_cache: bool = True) -> StageRecord:
     """Run (or reuse) one stage; raise StageFailed naming it when it fails."""
-    set_aside_unsafe_record(results_dir(cfg) / stage_cache_key(name, cfg))
-    state = stage_task(name, cfg, use_cache)(cfg, return_state=True)
+    key = stage_cache_key(name, cfg)
+    set_aside_unsafe_record(results_dir(cfg) / key)
+    state = stage_task(name, cfg, key, use_cache)(cfg, return_state=True)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
         if not isinstance(error, BaseException):
