@@ -207,6 +207,13 @@ class CaptureConfig(Section):
     mode = lossless: bf16 (`dtype`) aux + final hidden states, as SpecForge stores them.
     mode = compact: aux as fp8 e4m3 with an fp16 scale per row and aux layer, and instead of the final hidden
     state a sparse teacher (top-`compact_topk` draft-vocab log-probs and the target's full-vocab top-1).
+
+    backend = local: the target runs in-process (transformers, hooks on the decoder layers).
+    backend = vllm: a vLLM server started for the stage (runtime.engines.vllm) computes the states with its
+    `extract_hidden_states` method; the shards are the same (tasks/features/engine_states.py), and
+    `verify_fraction` of the records is captured again in-process and compared.
+
+    Secret (contract/secrets.py): the values of `engine_env`.
     """
 
     aux_layer_ids: Optional[list[int]] = Field(
@@ -218,6 +225,17 @@ class CaptureConfig(Section):
     draft_vocab_size: Optional[int] = Field(default=None, ge=1)
     compact_topk: int = Field(default=16, ge=1, description="teacher log-probs kept per position in compact mode")
     batch_size: int = Field(default=8, ge=1, description="records per target forward pass (right-padded)")
+    backend: Literal["local", "vllm"] = "local"
+    engine_concurrency: int = Field(default=32, ge=1, description="records in flight to the engine (backend vllm)")
+    engine_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="added to runtime.engines.vllm.env for the engine this stage starts (backend vllm), e.g. all "
+        "CPU cores for vLLM's CPU build (VLLM_CPU_NUM_OF_RESERVED_CPU=0); every value is secret, written as ***")
+    verify_fraction: float = Field(
+        default=0.02, ge=0.0, le=1.0,
+        description="backend vllm: this share of the records (at least one when > 0), evenly spaced, is captured "
+        "again in-process; the stage fails when a state slot matches another layer best or differs beyond the "
+        "dtype's tolerance")
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -493,6 +511,14 @@ class RunConfig(Section):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="after")
+    def _engine_capture_is_offline(self) -> "RunConfig":
+        """Online training captures in the trainer's own process; an engine writes shards for offline training."""
+        if self.capture.backend == "vllm" and self.training.mode == "online":
+            raise ValueError("capture.backend 'vllm' writes feature shards for training.mode 'offline'; online "
+                             "training captures in the trainer's own process (set capture.backend 'local')")
+        return self
 
     @property
     def output_path(self) -> Path:

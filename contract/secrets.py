@@ -1,7 +1,8 @@
 """Which run-config fields hold credentials, and the redacted form every file, MLflow record and printout gets.
 
-Secret: every value of `runtime.engines.<engine>.env` and `regeneration.engine_env` (an engine's environment
-is where tokens such as HF_TOKEN go), `regeneration.api_key`, every value of `regeneration.headers`, and the
+Secret: every value of `runtime.engines.<engine>.env`, `regeneration.engine_env` and `capture.engine_env` (an
+engine's environment is where tokens such as HF_TOKEN go), `regeneration.api_key`, every value of
+`regeneration.headers`, and the
 userinfo of `tracking.tracking_uri` and `regeneration.base_url`: its password (`https://user:***@host`), or all
 of it when there is no password (`https://***@host`, a token given as the user name). Each becomes `***`.
 
@@ -71,6 +72,7 @@ def redacted_url(url: str) -> str:
 SECRET_FIELDS: dict[str, Callable[[Any], Any]] = {
     "runtime.engines.*.env": redacted_mapping,
     "regeneration.engine_env": redacted_mapping,
+    "capture.engine_env": redacted_mapping,
     "regeneration.headers": redacted_mapping,
     "regeneration.api_key": redacted_value,
     "regeneration.base_url": redacted_url,

@@ -7,7 +7,8 @@ contract/config.py rejects what no machine could run. These checks need the envi
     within its vocabulary;
   - deployment.trainer.nproc_per_node within what torchrun can place here: one rank per visible GPU when the
     trainer runs on CUDA, one process per usable CPU core otherwise;
-  - the python of every engine the run starts (regeneration.engine without a base_url, benchmark.engines).
+  - the python of every engine the run starts (regeneration.engine without a base_url, capture.backend vllm,
+    benchmark.engines).
 The whole config is checked whichever stage starts, so that `dvc repro` stops at its first stage instead of
 at the benchmark hours later; `benchmark.engines=[]` runs the earlier stages where no engine is installed.
 """
@@ -164,6 +165,8 @@ def engines_in_use(cfg: RunConfig) -> dict[str, str]:
     regeneration = cfg.regeneration
     if regeneration.enabled and regeneration.backend == "openai" and not regeneration.base_url and regeneration.engine:
         used[regeneration.engine] = "regeneration.engine"
+    if cfg.capture.backend == "vllm":
+        used.setdefault("vllm", "capture.backend")
     for kind in cfg.benchmark.engines:
         used.setdefault(kind, "benchmark.engines")
     return used

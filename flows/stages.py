@@ -39,7 +39,7 @@ STAGE_READS: dict[str, StageReads] = {
                               "runtime.engines")),
     "validate": StageReads(("validation", "regeneration", "run_id", "model.trust_remote_code")),
     "capture": StageReads(("capture", "validation.max_length", "validation.cut_turns", "model.dtype",
-                           "model.trust_remote_code", "runtime.device", "training.mode")),
+                           "model.trust_remote_code", "runtime.device", "training.mode", "runtime.engines")),
     "train": StageReads(("training", "deployment", "capture.aux_layer_ids", "capture.draft_vocab_size",
                          "capture.mode", "regeneration", "model.trust_remote_code", "runtime.device",
                          "runtime.seed")),

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from contract.checkpoint import ENGINES, CheckpointContract, check_against_target
 from models.eagle3 import Eagle3Config, Eagle3Draft
-from models.target_capture import default_aux_layer_ids
+from models.target_capture import default_aux_layer_ids, vllm_layer_id
 
 WEIGHTS = "model.safetensors"
 EXPECTED_TENSORS = (
@@ -36,7 +36,7 @@ def engine_layer_ids(aux_layer_ids: list[int], num_target_layers: int, engine: O
     if aux_layer_ids == default_aux_layer_ids(num_target_layers):
         return None
     if engine == "vllm":
-        return [layer + 1 for layer in aux_layer_ids]
+        return [vllm_layer_id(layer) for layer in aux_layer_ids]
     return list(aux_layer_ids)
 
 

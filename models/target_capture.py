@@ -54,6 +54,12 @@ def resolve_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) 
     return ids
 
 
+def vllm_layer_id(layer_id: int) -> int:
+    """vLLM numbers the state *entering* decoder layer k (k = 0: the embedding output), so the output of our
+    decoder layer i is vLLM's i + 1 (the same numbering as HF's `output_hidden_states`)."""
+    return layer_id + 1
+
+
 def decoder_parts(model: Any) -> tuple[Any, Any, Any]:
     """(base model, its decoder layers, its final norm) of an HF *ForCausalLM (Llama-style layout)."""
     base = getattr(model, "model", None)
@@ -104,6 +110,18 @@ def capture_padded(model: Any, input_ids: Tensor, aux_layer_ids: Sequence[int],
         raise RuntimeError(f"capture hooks did not fire for {missing}: the model skipped those modules")
     aux = torch.cat([captured[i] for i in ids], dim=-1)
     return aux, captured["norm"]
+
+
+def every_layer_output(model: Any, input_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """One record's raw output of every decoder layer, [N, T, H], and the final normed state [T, H]: what an
+    engine's states are compared against to tell which layer each of its slots holds."""
+    _, layers, _ = decoder_parts(model)
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long).reshape(1, -1).to(device)
+    keys = [*range(len(layers)), "norm"]
+    with captured_outputs(model, keys) as captured, torch.no_grad():
+        model.model(input_ids=ids, use_cache=False)
+    return torch.stack([captured[i][0] for i in range(len(layers))]), captured["norm"][0]
 
 
 def capture_states(model: Any, input_ids: Tensor | Sequence[Sequence[int]], aux_layer_ids: Sequence[int],

@@ -20,20 +20,28 @@ first missing shard). The manifest is written last: without it, the features are
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from contract.config import RunConfig
 from contract.records import StageReport
 from tasks.common.artifacts import write_json
 from tasks.common.progress import advance, progress_bar
 from tasks.common.target_info import load_target_model, pad_token_id
+from tasks.features.engine_check import verification_sample, verify_engine_states
+from tasks.features.engine_states import (LAYER_CONVENTION, EngineStates, capture_launch, engine_layer_ids,
+                                          engine_version)
 from tasks.features.manifest import build_manifest
-from tasks.features.preparation import SPLITS, prepare_inputs
+from tasks.features.preparation import SPLITS, CaptureInputs, prepare_inputs
 from tasks.features.shards import file_sha256
-from tasks.features.writer import plan_shards, remove_stale_files, shard_is_current, write_shard
+from tasks.features.state_sources import LocalStates, StateSource
+from tasks.features.writer import ShardPlan, plan_shards, remove_stale_files, shard_is_current, write_shard
+from tasks.serving.engine import serve
 
 
 @dataclass
@@ -64,6 +72,49 @@ class CaptureResult:
         return [self.manifest_path, self.report_path]
 
 
+@contextmanager
+def opened_source(cfg: RunConfig, inputs: CaptureInputs,
+                  features_dir: Path) -> Iterator[tuple[StateSource, dict[str, Any]]]:
+    """The source `capture.backend` names, ready (the target loaded, or the engine started and later stopped),
+    with what the manifest records of it as `producer`."""
+    if cfg.capture.backend == "local":
+        import transformers
+
+        model = load_target_model(cfg, cfg.output_path / "target")
+        yield (LocalStates(model, inputs.aux_ids, pad_token_id(inputs.tokenizer), cfg.capture.batch_size),
+               {"backend": "local", "engine": "transformers", "version": transformers.__version__,
+                "dtype": cfg.model.dtype})
+        return
+    layer_ids = engine_layer_ids(inputs.aux_ids, inputs.info.num_hidden_layers)
+    states_dir = features_dir / ".engine-states"
+    launch = capture_launch(cfg, layer_ids, states_dir, cfg.output_path / "logs" / "capture-vllm.log")
+    try:
+        with serve(launch) as engine:
+            yield (EngineStates.for_run(cfg, engine, layer_ids),
+                   {"backend": "vllm", "engine": "vllm", "version": engine_version(engine), "dtype": cfg.model.dtype,
+                    "engine_layer_ids": layer_ids, "layer_id_convention": LAYER_CONVENTION})
+    finally:
+        shutil.rmtree(states_dir, ignore_errors=True)
+
+
+def verify_written(cfg: RunConfig, source: EngineStates, inputs: CaptureInputs, written: list[ShardPlan]) -> dict[str, Any]:
+    """`capture.verify_fraction` of the records just captured by the engine, captured again in-process."""
+    samples = verification_sample([sample for plan in written for sample in plan.samples], cfg.capture.verify_fraction)
+    if not samples:
+        return {"records": [], "skipped": "capture.verify_fraction is 0"}
+    model = load_target_model(cfg, cfg.output_path / "target")
+    return verify_engine_states(source, model, samples, inputs.aux_ids, cfg.model.dtype)
+
+
+def previous_producer(manifest_path: Path, cfg: RunConfig) -> dict[str, Any]:
+    """Who wrote the shards a run keeps: the finished manifest's record of it (shards are only kept under the
+    same backend, which is part of their fingerprint)."""
+    try:
+        return dict(json.loads(manifest_path.read_text()).get("producer") or {"backend": cfg.capture.backend})
+    except (OSError, ValueError):
+        return {"backend": cfg.capture.backend}
+
+
 def run(cfg: RunConfig) -> CaptureResult:
     """Capture features for `<output_dir>/data/{train,eval}.jsonl` into `<output_dir>/features/`."""
     inputs = prepare_inputs(cfg)
@@ -79,19 +130,21 @@ def run(cfg: RunConfig) -> CaptureResult:
 
     manifest_path = features_dir / "manifest.json"
     hashes = {plan.path: file_sha256(plan.path) for plan in kept}
+    producer = previous_producer(manifest_path, cfg)
+    seconds = 0.0
     if todo:
         manifest_path.unlink(missing_ok=True)  # the features are unfinished until the manifest is back
-        model = load_target_model(cfg, cfg.output_path / "target")
-        started = time.perf_counter()
-        with progress_bar("capture", sum(len(plan.samples) for plan in todo)) as bar:
-            for plan in todo:
-                hashes[plan.path] = write_shard(plan, model, cfg, inputs.aux_ids, inputs.mapping, inputs.fingerprint,
-                                                pad_token_id(inputs.tokenizer), lambda n: advance(bar, n))
-        seconds = time.perf_counter() - started
-    else:
-        seconds = 0.0
+        with opened_source(cfg, inputs, features_dir) as (source, producer):
+            started = time.perf_counter()
+            with progress_bar("capture", sum(len(plan.samples) for plan in todo)) as bar:
+                for plan in todo:
+                    hashes[plan.path] = write_shard(plan, source, cfg, inputs.mapping, inputs.fingerprint,
+                                                    lambda n: advance(bar, n))
+            seconds = time.perf_counter() - started
+            if isinstance(source, EngineStates):
+                producer["verify"] = verify_written(cfg, source, inputs, todo)
 
-    manifest = build_manifest(cfg, inputs, plans, hashes)
+    manifest = build_manifest(cfg, inputs, plans, hashes, producer)
     report = StageReport.from_outcomes("capture", inputs.outcomes, inputs.source_of)
     written_tokens = sum(plan.tokens for plan in todo)
     report.metrics.update({

@@ -38,9 +38,11 @@ def tensor_layout(cfg: RunConfig, hidden_size: int, layers: int, topk: int) -> d
     return layout
 
 
-def build_manifest(cfg: RunConfig, inputs: CaptureInputs, plans: list[ShardPlan], hashes: dict[Path, str]) -> dict[str, Any]:
+def build_manifest(cfg: RunConfig, inputs: CaptureInputs, plans: list[ShardPlan], hashes: dict[Path, str],
+                   producer: dict[str, Any]) -> dict[str, Any]:
     """What was captured, how, from which target. In online training mode no shard is written: the manifest
-    still names the settings, the vocab mapping and each split's records."""
+    still names the settings, the vocab mapping and each split's records. `producer`: what computed the states
+    (backend, engine and version, layer ids sent to an engine, the in-process verification's figures)."""
     import transformers
 
     info, aux_ids, mapping, outcomes = inputs.info, inputs.aux_ids, inputs.mapping, inputs.outcomes
@@ -92,6 +94,7 @@ def build_manifest(cfg: RunConfig, inputs: CaptureInputs, plans: list[ShardPlan]
         "chat_template_hash": info.chat_template_hash,
         "tokenizer_hash": info.tokenizer_hash,
         "model_dtype": cfg.model.dtype,
+        "producer": producer,
         "max_length": cfg.validation.max_length,
         "records_per_shard": cfg.capture.records_per_shard,
         "fingerprint": inputs.fingerprint,

@@ -68,4 +68,5 @@ def open_online(cfg: Any) -> tuple[OnlineFeatures, Optional[OnlineFeatures], dic
                                      pad_token_id(inputs.tokenizer), cfg.capture.batch_size)
                for split in ("train", "eval")}
     eval_source = sources["eval"] if len(sources["eval"]) else None
-    return sources["train"], eval_source, build_manifest(cfg, inputs, [], {})
+    producer = {"backend": "online", "engine": "transformers, in the trainer", "dtype": cfg.model.dtype}
+    return sources["train"], eval_source, build_manifest(cfg, inputs, [], {}, producer)

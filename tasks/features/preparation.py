@@ -115,7 +115,7 @@ def settings_fingerprint(cfg: RunConfig, info: TargetInfo, aux_ids: list[int], v
     settings: dict[str, Any] = {
         "schema": SHARD_SCHEMA, "mode": cfg.capture.mode, "aux_layer_ids": aux_ids,
         "target_revision": info.revision, "tokenizer_hash": info.tokenizer_hash,
-        "chat_template_hash": info.chat_template_hash, "model_dtype": cfg.model.dtype,
+        "chat_template_hash": info.chat_template_hash, "model_dtype": cfg.model.dtype, "backend": cfg.capture.backend,
     }
     if cfg.capture.mode == "lossless":
         settings["dtype"] = cfg.capture.dtype

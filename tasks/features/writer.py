@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from contract.config import RunConfig
-from models.target_capture import capture_states, teacher_topk
+from models.target_capture import teacher_topk
 from models.vocab_mapping import VocabMapping, write_safetensors
 from tasks.common.artifacts import atomic_file
 from tasks.features.preparation import SPLITS, Sample
 from tasks.features.shards import SHARD_SCHEMA, FeatureError, load_shard, quantise_aux
+from tasks.features.state_sources import StateSource
 
 SHARD_NAME = "shard-{:05d}.safetensors"
 
@@ -94,17 +95,17 @@ class HashingWriter:
         return self.handle.write(data)
 
 
-def write_shard(plan: ShardPlan, model: Any, cfg: RunConfig, aux_ids: list[int], mapping: VocabMapping,
-                fingerprint: str, pad_id: int, advance_by: Any) -> str:
-    """Run the target over the shard's records (length-sorted batches) and write the shard atomically;
+def write_shard(plan: ShardPlan, source: StateSource, cfg: RunConfig, mapping: VocabMapping, fingerprint: str,
+                advance_by: Any) -> str:
+    """Take the shard's records' states from `source` (length-sorted batches) and write the shard atomically;
     returns its sha256."""
     settings = cfg.capture
     per_record: list[dict[str, torch.Tensor]] = [{} for _ in plan.samples]
     order = sorted(range(len(plan.samples)), key=lambda i: len(plan.samples[i].input_ids), reverse=True)
     draft_ids = mapping.used_ids
-    for start in range(0, len(order), settings.batch_size):
-        batch = order[start:start + settings.batch_size]
-        states = capture_states(model, [plan.samples[i].input_ids for i in batch], aux_ids, pad_token_id=pad_id)
+    for start in range(0, len(order), source.batch_size):
+        batch = order[start:start + source.batch_size]
+        states = source.states([plan.samples[i] for i in batch])
         for index, (aux, hidden) in zip(batch, states):
             sample = plan.samples[index]
             if settings.mode == "lossless":
@@ -112,8 +113,9 @@ def write_shard(plan: ShardPlan, model: Any, cfg: RunConfig, aux_ids: list[int],
             else:
                 tensors = per_record[index]
                 tensors.update(token_tensors(sample))
-                tensors["aux_hidden_state"], tensors["aux_scale"] = quantise_aux(aux.cpu(), len(aux_ids))
-                ids, logprobs, top1 = teacher_topk(model, hidden, draft_ids, settings.compact_topk)
+                aux_layers = aux.shape[-1] // hidden.shape[-1]
+                tensors["aux_hidden_state"], tensors["aux_scale"] = quantise_aux(aux.cpu(), aux_layers)
+                ids, logprobs, top1 = teacher_topk(source.head_model(), hidden, draft_ids, settings.compact_topk)
                 tensors.update(teacher_topk_ids=ids, teacher_topk_logprobs=logprobs, target_top1=top1)
         advance_by(len(batch))
     lengths = torch.tensor([0] + [len(sample.input_ids) for sample in plan.samples], dtype=torch.int64)
