@@ -40,6 +40,7 @@ from chat_server import ChatServer
 PLANTED = "eaglet-planted-q7x3"
 HF_TOKEN = f"{PLANTED}-hf-token"
 ENGINE_TOKEN = f"{PLANTED}-engine-env"
+CAPTURE_TOKEN = f"{PLANTED}-capture-engine-env"
 API_KEY = f"{PLANTED}-api-key"
 HEADER_TOKEN = f"{PLANTED}-header"
 BASE_URL_PASSWORD = f"{PLANTED}-base-url"
@@ -61,6 +62,7 @@ def secret_settings(mlflow_uri: str, server_url: str) -> dict:
                          "api_key": API_KEY, "headers": {"X-Eaglet-Org": HEADER_TOKEN},
                          "engine_env": {"HF_TOKEN": ENGINE_TOKEN}, "max_new_tokens": 8, "concurrency": 2,
                          "backoff_initial_s": 0.05, "backoff_max_s": 0.5},
+        "capture": {"engine_env": {"HF_TOKEN": CAPTURE_TOKEN}},
         "runtime": {"engines": {"vllm": {"python": sys.executable, "env": {"HF_TOKEN": HF_TOKEN}}}},
         "tracking": {"tracking_uri": mlflow_uri, "experiment": "secrets"},
     }
@@ -82,6 +84,7 @@ def test_every_secret_field_is_redacted_where_the_config_is_written(tmp_path: Pa
     assert PLANTED not in written and PLANTED not in str(flat) and PLANTED not in repr(cfg.regeneration.api_key)
     assert flat["regeneration.api_key"] == REDACTED and flat["regeneration.headers.X-Eaglet-Org"] == REDACTED
     assert flat["runtime.engines.vllm.env.HF_TOKEN"] == REDACTED and flat["regeneration.engine_env.HF_TOKEN"] == REDACTED
+    assert flat["capture.engine_env.HF_TOKEN"] == REDACTED
     assert flat["regeneration.base_url"] == "http://reader:***@127.0.0.1:8000/v1"
     assert flat["tracking.tracking_uri"] == "http://eaglet:***@127.0.0.1:5000"
     assert flat["runtime.engines.vllm.python"] == sys.executable, "what is not secret stays as it was"
