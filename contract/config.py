@@ -428,8 +428,33 @@ class RegistryConfig(Section):
 
 
 class TrainerDeployment(Section):
+    """Where the trainer's ranks run: `nproc_per_node` on each of `nnodes` nodes, started by torchrun.
+
+    One node: `torchrun --standalone`. More: every node joins a c10d rendezvous at `rdzv_endpoint` (host:port,
+    reachable from every node); eaglet starts the ranks of node `node_rank` and prints the command for each other
+    node (tasks/training/launch.py). `output_dir` must be on storage every node sees: the ranks read the features
+    and `train/launch.yaml` there, and whichever rank the rendezvous makes rank 0 writes the checkpoints.
+    """
+
     nproc_per_node: int = Field(default=1, ge=1)
+    nnodes: int = Field(default=1, ge=1)
+    node_rank: int = Field(default=0, ge=0, description="the node this eaglet process starts ranks on")
+    rdzv_endpoint: Optional[str] = Field(default=None, pattern=r"^[^\s:]+:[0-9]+$",
+                                         description="host:port of the c10d rendezvous (nnodes > 1)")
+    rdzv_id: Optional[str] = Field(default=None, description="the rendezvous id every node gives; default run_id")
     strategy: Literal["ddp", "fsdp"] = "ddp"
+
+    @model_validator(mode="after")
+    def _nodes_need_a_rendezvous(self) -> "TrainerDeployment":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes {self.nnodes} needs rdzv_endpoint (host:port every node can reach)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
 
 
 class DeploymentConfig(Section):

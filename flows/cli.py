@@ -112,7 +112,7 @@ def train_command(
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint (training.resume_from=latest; "
                                 "the default, auto, does the same when one exists)."),
 ) -> None:
-    """Train the drafter (torchrun when deployment.trainer.nproc_per_node > 1)."""
+    """Train the drafter (torchrun when deployment.trainer has more than one rank; several nodes: see README)."""
     stage("train", config, [*(overrides or []), *(["training.resume_from=latest"] if resume else [])])
 
 

@@ -5,6 +5,9 @@ features the target computes in this process per batch (online).
     two ranks:    eaglet stage train --config params.yaml deployment.trainer.nproc_per_node=2
                   (eaglet itself runs: python -m torch.distributed.run --standalone --nproc_per_node 2
                    -m tasks.train --config <output_dir>/train/launch.yaml)
+    two nodes:    eaglet stage train --config params.yaml deployment.trainer.nnodes=2
+                      deployment.trainer.rdzv_endpoint=node0.example:29400      (on node 0; output_dir shared)
+                  prints the torchrun line to run on node 1 (tasks/training/launch.py)
     resume:       the default (training.resume_from: auto) continues the newest checkpoint of a matching run;
                   training.resume_from=none starts over (the old run is set aside, never deleted)
 
@@ -44,7 +47,7 @@ from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.target_heads import TargetHeads, load_target_heads
 from models.ttt import TTTBatch, TTTOutput, check_attention_backend, simulated_accept_length, ttt_forward
 from models.vocab_mapping import load_vocab_mapping
-from tasks.common.artifacts import read_json, write_json
+from tasks.common.artifacts import atomic_file, read_json, write_json
 from tasks.common.devices import autocast, compute_dtype, resolve_device
 from tasks.features.batches import collate
 from tasks.features.shards import FeatureSet, check_manifest
@@ -55,7 +58,8 @@ from tasks.training.batch_plan import Cursor, epoch_batches, optimizer_steps, ra
 from tasks.training.parallel import (Distributed, full_draft_weights, full_optimizer_state, gradient_sync,
                                      load_full_state, parallelise, setup_distributed)
 from tasks.training.outputs import export, plot_accuracy, training_tracker
-from tasks.training.rank_environment import rank_secrets, with_rank_secrets
+from tasks.training.launch import launch_config_path, other_node_commands, torchrun_command
+from tasks.training.rank_environment import PARENT_RUN_VARIABLE, rank_secrets, with_rank_secrets
 
 
 class TrainingDiverged(RuntimeError):
@@ -98,30 +102,35 @@ class TTTStep(nn.Module):
 def run(cfg: RunConfig) -> TrainResult:
     """Train (in this process, or under torchrun when more than one rank is configured)."""
     check_attention_backend(cfg.training.attention_backend)
-    world = cfg.deployment.trainer.nproc_per_node
-    if world > 1 and "RANK" not in os.environ:
-        return launch_ranks(cfg, world)
+    if cfg.deployment.trainer.world_size > 1 and "RANK" not in os.environ:
+        return launch_ranks(cfg)
     return train(cfg)
 
 
-def launch_ranks(cfg: RunConfig, world: int) -> TrainResult:
-    """Run `world` ranks with torchrun on this node; their log goes to train/torchrun.log. launch.yaml is redacted
-    like every written config; the secrets the ranks need go in their environment (tasks/training/rank_environment.py)."""
-    train_dir = cfg.output_path / "train"
-    train_dir.mkdir(parents=True, exist_ok=True)
-    config_path = train_dir / "launch.yaml"
+def launch_ranks(cfg: RunConfig) -> TrainResult:
+    """Run this node's ranks with torchrun (tasks/training/launch.py); their log goes to train/torchrun.log (with
+    several nodes train/torchrun-node<R>.log), and the command for each other node is printed first. launch.yaml
+    is redacted like every written config; the secrets the ranks need go in their environment
+    (tasks/training/rank_environment.py)."""
+    trainer = cfg.deployment.trainer
+    config_path = launch_config_path(cfg)
+    config_path.parent.mkdir(parents=True, exist_ok=True)
     resolved = cfg.model_copy(update={"output_dir": str(cfg.output_path.resolve())})
-    config_path.write_text(config_as_yaml(resolved))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "tasks.train", "--config", str(config_path)]
-    log_path = train_dir / "torchrun.log"
+    with atomic_file(config_path) as handle:
+        handle.write(config_as_yaml(resolved))
+    parent = parent_run_env()
+    for node, line in other_node_commands(cfg, parent.get(PARENT_RUN_VARIABLE)).items():
+        print(f"[train] node {node} of {trainer.nnodes}, run on that node: {line}", flush=True)
+    command = torchrun_command(cfg, trainer.node_rank)
+    log_name = "torchrun.log" if trainer.nnodes == 1 else f"torchrun-node{trainer.node_rank}.log"
+    log_path = config_path.parent / log_name
     with open(log_path, "w", encoding="utf-8") as log:
-        rank_env = {**os.environ, **parent_run_env(), **rank_secrets(cfg)}
+        rank_env = {**os.environ, **parent, **rank_secrets(cfg)}
         completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=rank_env)
     if completed.returncode != 0:
         tail = "\n".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-40:])
         raise TrainingFailed(f"{' '.join(command)} exited with {completed.returncode}; end of {log_path}:\n{tail}")
-    summary_path = train_dir / "summary.json"
+    summary_path = config_path.parent / "summary.json"
     return TrainResult(summary_path, read_json(summary_path))
 
 
@@ -132,7 +141,7 @@ def parent_run_env() -> dict[str, str]:
     import mlflow
 
     active = mlflow.active_run()
-    return {"EAGLET_PARENT_RUN_ID": active.info.run_id} if active else {}
+    return {PARENT_RUN_VARIABLE: active.info.run_id} if active else {}
 
 
 def build_draft(cfg: RunConfig, heads: TargetHeads, manifest: dict[str, Any], device: torch.device) -> Eagle3Draft:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ from models.ttt import causal_plus_diagonal_attention, check_attention_backend
 from tasks import train
 from tasks.features.batches import collate
 from tasks.features.shards import FeatureSet
+from tasks.serving.engine import free_port
 from tasks.training.checkpoint import ResumeRefused, latest_checkpoint
+from tasks.training.launch import other_node_commands
 from attention_reference import assert_within_bf16
 from training_run import captured_run, copy_run
 
@@ -184,6 +187,49 @@ def test_fsdp_two_ranks_match_one_rank_and_resume_exactly(base_run, tmp_path: Pa
     train.run(resumed(halted))
     assert losses(halted) == losses(sharded)
     assert all(torch.equal(exported(sharded)[name], exported(halted)[name]) for name in exported(sharded))
+
+
+def test_two_nodes_on_one_host_match_one_rank(base_run, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """Two torchrun launchers on 127.0.0.1, one rank each, joined by a c10d rendezvous: eaglet starts node 0 and
+    prints node 1's command, which the test runs as the other node would."""
+    one = fresh(base_run, tmp_path, "one")
+    train.run(one)
+    nodes = fresh(base_run, tmp_path, "nodes")
+    trainer = nodes.deployment.trainer.model_copy(update={"nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"})
+    nodes = nodes.model_copy(update={"deployment": nodes.deployment.model_copy(update={"trainer": trainer})})
+    (line,) = other_node_commands(nodes, None).values()
+    assert "--rdzv_backend=c10d" in line and "--node_rank=1" in line and "--standalone" not in line
+    second_node = subprocess.Popen(["bash", "-c", line], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        result = train.run(nodes)
+        output, _ = second_node.communicate(timeout=300)
+    finally:
+        if second_node.poll() is None:
+            second_node.kill()
+    assert second_node.returncode == 0, output[-3000:]
+    assert f"[train] node 1 of 2, run on that node: {line}" in capfd.readouterr().out
+    assert result.values["world_size"] == 2 and result.values["complete"]
+    assert (nodes.output_path / "train" / "torchrun-node0.log").is_file()
+    assert close(losses(one), losses(nodes)), (losses(one), losses(nodes))
+    for name, value in exported(one).items():
+        torch.testing.assert_close(exported(nodes)[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_several_nodes_need_a_rendezvous_and_each_gets_its_command(base_run) -> None:
+    from contract.config import TrainerDeployment
+
+    with pytest.raises(ValueError, match="nnodes 2 needs rdzv_endpoint"):
+        TrainerDeployment(nnodes=2)
+    with pytest.raises(ValueError, match="node_rank 3 must be below nnodes 3"):
+        TrainerDeployment(nnodes=3, node_rank=3, rdzv_endpoint="head:29400")
+    trainer = TrainerDeployment(nnodes=3, node_rank=1, nproc_per_node=2, rdzv_endpoint="head:29400")
+    cfg = base_run.model_copy(update={"deployment": base_run.deployment.model_copy(update={"trainer": trainer})})
+    commands = other_node_commands(cfg, "parent123")
+    assert sorted(commands) == [0, 2] and trainer.world_size == 6
+    for node, line in commands.items():
+        assert line.startswith(f"cd {Path.cwd()} && EAGLET_PARENT_RUN_ID=parent123 ")
+        assert f"--nnodes=3 --nproc_per_node=2 --node_rank={node} --rdzv_backend=c10d --rdzv_endpoint=head:29400" in line
+        assert f"--rdzv_id={cfg.run_id} -m tasks.train --config {cfg.output_path.resolve()}/train/launch.yaml" in line
 
 
 def test_capture_stage_writes_no_shards_for_online_training(base_run, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from contract.config_loading import config_as_yaml
 from contract.secrets import redacted_dump
 from models.eagle3 import Eagle3Draft
 from tasks.common.artifacts import read_json, save_figure
+from tasks.training.rank_environment import PARENT_RUN_VARIABLE
 
 
 def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: int, world_size: int,
@@ -82,7 +83,7 @@ class training_tracker:
             mlflow.set_tracking_uri(tracking_uri(self.cfg))
             ensure_experiment(tracking_uri(self.cfg), self.cfg.tracking.experiment)
         tags = {"eaglet.run_id": self.cfg.run_id, "eaglet.stage": "train"}
-        parent = os.environ.get("EAGLET_PARENT_RUN_ID")
+        parent = os.environ.get(PARENT_RUN_VARIABLE)
         if parent:
             tags["mlflow.parentRunId"] = parent
         self.run = mlflow.start_run(run_name=f"{self.cfg.run_id}/train", nested=active is not None, tags=tags)

@@ -13,6 +13,8 @@ import os
 from contract.config import RunConfig
 
 TRACKING_URI_VARIABLE = "EAGLET_TRACKING_URI"
+#: The pipeline's MLflow run, under which rank 0 nests its training run (not secret).
+PARENT_RUN_VARIABLE = "EAGLET_PARENT_RUN_ID"
 
 
 def rank_secrets(cfg: RunConfig) -> dict[str, str]:
