@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_serializer, field_validator,
                       model_validator)
@@ -99,9 +99,10 @@ class RegenerationConfig(Section):
 
     enabled: bool = True
     backend: Literal["local", "openai"] = "local"
-    base_url: Optional[str] = Field(
-        default=None, description="the server's /v1 URL; a user:password@ in it is sent as basic auth (unless an "
-        "API key is configured) and never written")
+    base_url: Optional[Union[str, list[str]]] = Field(
+        default=None, description="the server's /v1 URL, or a list of replicas of one model (requests are spread "
+        "over them, `concurrency` per endpoint, and fail over; tasks/data/endpoints.py); a user:password@ in a URL "
+        "is sent as basic auth (unless an API key is configured) and never written")
     api_key: Optional[SecretStr] = Field(
         default=None, description="sent as Authorization: Bearer; prefer api_key_env, which keeps the key out of "
         "config files")
@@ -134,6 +135,24 @@ class RegenerationConfig(Section):
         if self.backend == "openai" and not self.base_url and not self.engine:
             raise ValueError("regeneration.backend 'openai' needs regeneration.base_url or regeneration.engine")
         return self
+
+    @field_validator("base_url")
+    @classmethod
+    def _distinct_endpoints(cls, value: Optional[Union[str, list[str]]]) -> Optional[Union[str, list[str]]]:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list of endpoints; give at least one URL or leave base_url unset")
+            repeated = sorted({url for url in value if value.count(url) > 1})
+            if repeated:
+                raise ValueError(f"endpoints listed twice: {len(repeated)} (each replica once)")
+        return value
+
+    @property
+    def endpoints(self) -> list[str]:
+        """`base_url` as a list (empty when unset)."""
+        if self.base_url is None:
+            return []
+        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
 
     @model_validator(mode="after")
     def _one_authorization(self) -> "RegenerationConfig":

@@ -68,6 +68,13 @@ def redacted_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{hidden}@{host}"))
 
 
+def redacted_urls(value: str | list[str]) -> str | list[str]:
+    """`redacted_url` of one URL or of each URL of a list (replicas in `regeneration.base_url`)."""
+    if isinstance(value, list):
+        return [redacted_url(url) for url in value]
+    return redacted_url(value)
+
+
 #: Dotted config paths (`*`: any key) and how each is redacted.
 SECRET_FIELDS: dict[str, Callable[[Any], Any]] = {
     "runtime.engines.*.env": redacted_mapping,
@@ -75,7 +82,7 @@ SECRET_FIELDS: dict[str, Callable[[Any], Any]] = {
     "capture.engine_env": redacted_mapping,
     "regeneration.headers": redacted_mapping,
     "regeneration.api_key": redacted_value,
-    "regeneration.base_url": redacted_url,
+    "regeneration.base_url": redacted_urls,
     "tracking.tracking_uri": redacted_url,
 }
 

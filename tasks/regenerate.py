@@ -3,8 +3,9 @@
 User and system turns are kept; each assistant turn is one generation event whose history holds the
 turns before it, earlier assistant turns being the regenerated ones (without reasoning).
 
-Two schedules, one result. Through a server (backend openai) records stream: `concurrency` records are in
-flight and each sends its next turn the moment its previous one returns, so the engine's batch stays full
+Two schedules, one result. Through a server (backend openai) records stream: `concurrency` records per endpoint
+are in flight (`regeneration.base_url` may list replicas: tasks/data/endpoints.py spreads the requests and fails
+over) and each sends its next turn the moment its previous one returns, so the engine's batch stays full
 instead of draining at the end of every round (a round waits for its longest answer). The local backend
 batches in-process, so it goes by chunks: turn k of every record of a chunk together, then turn k+1.
 Finished records are committed to a journal every `chunk_records`, so a killed run resumes without loss
@@ -153,7 +154,8 @@ def read_prompts(path: Path) -> list[tuple[str, PromptRecord]]:
 def generation_params(cfg: RunConfig, target_info: dict[str, Any]) -> GenerationParams:
     settings = cfg.regeneration
     backend = settings.backend if settings.enabled else "source"
-    server = redacted_url(settings.base_url) if settings.base_url else settings.engine  # written into every record
+    # written into every record: the endpoints without their credentials, or the engine the stage starts
+    server = ",".join(redacted_url(url) for url in settings.endpoints) if settings.base_url else settings.engine
     return GenerationParams(
         backend=backend if backend != "openai" else f"openai:{server}",
         model_id=target_info["id"],
@@ -195,13 +197,12 @@ def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
         return LocalGenerator(target_dir, settings, cfg.model.dtype)
     from tasks.data.generation_openai import OpenAIGenerator
 
-    base_url = settings.base_url
-    if base_url is None:
-        from tasks.serving.engine import serve
+    if settings.base_url is not None:
+        return OpenAIGenerator(settings.endpoints, settings)
+    from tasks.serving.engine import serve
 
-        log_path = cfg.output_path / "logs" / f"regenerate-{settings.engine}.log"
-        base_url = stack.enter_context(serve(regeneration_launch(cfg, log_path))).base_url
-    return OpenAIGenerator(base_url, settings)
+    log_path = cfg.output_path / "logs" / f"regenerate-{settings.engine}.log"
+    return OpenAIGenerator(stack.enter_context(serve(regeneration_launch(cfg, log_path))).base_url, settings)
 
 
 def regeneration_launch(cfg: RunConfig, log_path: Path):
@@ -323,7 +324,8 @@ async def stream_records_async(todo: list[tuple[str, PromptRecord]], generator, 
                 if len(finished) >= settings.chunk_records:
                     commit_ready(finished, watch.held_keys, commit)
 
-        await asyncio.gather(*(worker() for _ in range(min(settings.concurrency, len(todo)))))
+        await asyncio.gather(*(worker() for _ in range(min(generator.pool.capacity, len(todo)))))
+    stats.update(generator.pool.metrics())
     if watch.stopped:
         commit_ready(finished, watch.held_keys, commit)
         raise watch.error()
@@ -427,6 +429,7 @@ def throughput(stats: dict[str, float]) -> dict[str, float]:
         "generation_seconds": round(seconds, 3),
         "tokens_per_second": round(stats["completion_tokens"] / seconds, 3) if seconds else 0.0,
         "records_per_second": round(stats["records"] / seconds, 3) if seconds else 0.0,
+        **{key: value for key, value in stats.items() if key.startswith("endpoint_")},
     }
 
 

@@ -7,7 +7,8 @@ the first N chat requests with `--fail-status`; `--scripted` maps a user prompt 
 (`content`, optional `reasoning_content`, optional `delay_s` before answering) to test how replies are parsed
 and scheduled, or to a refusal (`status`, e.g. 400, and the error `message`, in vLLM's error body).
 `GET /stats` counts chat requests and lists each one's last message in arrival order, and the headers of every
-request (`request_headers`: path and headers, lower-cased names), to check what a client sends.
+request (`request_headers`: path and headers, lower-cased names), to check what a client sends, and the most
+POSTs it answered at once (`max_in_flight`).
 Binds 127.0.0.1 only.
 """
 
@@ -44,7 +45,8 @@ class ChatModel:
 
 
 def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: dict[str, dict[str, str]]):
-    state: dict[str, Any] = {"chat_requests": 0, "arrivals": [], "request_headers": []}
+    state: dict[str, Any] = {"chat_requests": 0, "arrivals": [], "request_headers": [], "in_flight": 0,
+                             "max_in_flight": 0}
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -75,6 +77,16 @@ def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: 
                 self.send_json(404, {"error": "not found"})
 
         def do_POST(self) -> None:
+            with lock:
+                state["in_flight"] += 1
+                state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+            try:
+                self.answer_post()
+            finally:
+                with lock:
+                    state["in_flight"] -= 1
+
+        def answer_post(self) -> None:
             self.note_headers()
             if self.path != "/v1/chat/completions":
                 self.send_json(404, {"error": "not found"})

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -245,6 +246,58 @@ def test_a_server_refusing_most_requests_stops_the_stage_early(tmp_path: Path, t
     (error,) = [outcome for outcome in resumed.report.outcomes if outcome.status == "error"]
     assert error.id == "chats:q20" and "not retried, HTTP 400" in error.reason
     assert "this one prompt is rejected" in error.reason
+
+
+def scripted_replies(tmp_path: Path, prompts: list[str], delay_s: float) -> Path:
+    replies = {prompt: {"content": f"Answer to {prompt}", "delay_s": delay_s} for prompt in prompts}
+    path = tmp_path / "replies.json"
+    path.write_text(json.dumps(replies))
+    return path
+
+
+def test_replicas_share_the_requests_and_a_dead_one_fails_over(tmp_path: Path, tiny_target_dir: Path,
+                                                                serve_tiny) -> None:
+    """Two replicas, two requests in flight on each; one is killed mid-run: its requests go to the other and every
+    id ends exactly once."""
+    prompts = [f"Replica question {n}?" for n in range(24)]
+    replies = scripted_replies(tmp_path, prompts, delay_s=0.2)
+    first, second = serve_tiny("--scripted", str(replies)), serve_tiny("--scripted", str(replies))
+    items = [{"id": f"r{n}", "messages": [{"role": "user", "content": prompt}]} for n, prompt in enumerate(prompts)]
+    cfg = openai_run(tmp_path / "run", tiny_target_dir, [first.url, second.url], items, concurrency=2,
+                     chunk_records=4, max_retries=3)
+    outcome: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: outcome.update(result=regenerate.run(cfg)))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while first.chat_requests() < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    first_stats = first.stats()
+    first.stop()
+    runner.join(timeout=120)
+    result = outcome["result"]
+
+    assert (result.report.ok, result.report.error) == (24, 0), [o.reason for o in result.report.outcomes if o.reason]
+    records = by_id(result.output_path)
+    assert sorted(records) == sorted(f"chats:r{n}" for n in range(24)), "every id once"
+    assert all(record.messages[-1].content == f"Answer to {record.messages[0].content}" for record in records.values())
+    assert records["chats:r0"].generation.backend == f"openai:{first.url},{second.url}"
+    metrics = result.report.metrics
+    assert metrics["endpoint_0_replies"] + metrics["endpoint_1_replies"] == 24
+    assert metrics["endpoint_0_replies"] >= 2 and metrics["endpoint_1_replies"] >= 12, "both took requests"
+    assert metrics["endpoint_0_failures"] >= 1 and metrics["endpoint_failovers"] >= 1, "the dead one failed over"
+    assert first_stats["max_in_flight"] <= 2 and second.stats()["max_in_flight"] <= 2, "concurrency per endpoint"
+
+
+def test_a_replica_down_at_the_start_is_left_aside(tmp_path: Path, tiny_target_dir: Path, serve_tiny) -> None:
+    prompts = [f"Question {n}?" for n in range(6)]
+    live = serve_tiny("--scripted", str(scripted_replies(tmp_path, prompts, delay_s=0.0)))
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    items = [{"id": f"q{n}", "messages": [{"role": "user", "content": prompt}]} for n, prompt in enumerate(prompts)]
+    result = regenerate.run(openai_run(tmp_path / "run", tiny_target_dir, [dead, live.url], items, concurrency=2))
+    assert (result.report.ok, result.report.metrics["endpoint_1_replies"]) == (6, 6)
+    assert live.chat_requests() == 6
+    with pytest.raises(ValueError, match="endpoints listed twice"):
+        RunConfig.model_validate({"regeneration": {"backend": "openai", "base_url": [live.url, live.url]}})
 
 
 def test_server_stopped_mid_run_is_waited_for(tmp_path: Path, tiny_target_dir: Path, serve_tiny) -> None:

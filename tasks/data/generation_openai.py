@@ -5,7 +5,8 @@ regenerate stage instead streams records through `generate_one`, so each record'
 moment its previous one returns and the engine's batch never drains between rounds. Transient failures (429, 5xx, connection errors, timeouts) are
 retried with exponential backoff; a 4xx bad request is not retried, since sending it again cannot help: its reply
 is marked `refused`, and the regenerate stage stops when the server refuses every request (tasks/regenerate.py).
-Every request carries the configured credentials and headers (tasks/data/server_access.py).
+Every request carries the configured credentials and headers (tasks/data/server_access.py). `regeneration.base_url`
+may list several replicas of the model: requests are spread over them and fail over (tasks/data/endpoints.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Optional
 import httpx
 
 from contract.config import RegenerationConfig
+from tasks.data.endpoints import EndpointPool
 from tasks.data.generation import GenerationReply, GenerationRequest
 from tasks.data.server_access import server_access
 
@@ -28,25 +30,45 @@ class OpenAIGenerator:
     backend = "openai"
     streams_records = True
 
-    def __init__(self, base_url: str, settings: RegenerationConfig, model: Optional[str] = None) -> None:
-        self.access = server_access(base_url, settings)
-        self.base_url = self.access.base_url
+    def __init__(self, base_urls: str | list[str], settings: RegenerationConfig, model: Optional[str] = None) -> None:
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         self.settings = settings
-        self.model = model or self.first_served_model()
         self.rng = random.Random(settings.seed)
+        self.pool = EndpointPool([server_access(url, settings) for url in urls], settings.concurrency,
+                                 self.backoff_seconds)
+        self.base_url = ", ".join(endpoint.access.base_url for endpoint in self.pool.endpoints)  # for messages
+        self.model = model or self.served_model()
 
-    def first_served_model(self) -> str:
-        """The server's first model id (engines serve one model)."""
-        response = httpx.get(f"{self.base_url}/models", headers=self.access.headers,
-                             timeout=self.settings.request_timeout_s)
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
+    def served_model(self) -> str:
+        """The model the endpoints serve (engines serve one; replicas must agree). An endpoint that does not answer
+        is paused like one that failed a request; the stage starts as long as one answers."""
+        served: dict[str, str] = {}
+        first_problem: Optional[Exception] = None
+        for endpoint in self.pool.endpoints:
+            url = endpoint.access.base_url
+            try:
+                response = httpx.get(f"{url}/models", headers=endpoint.access.headers,
+                                     timeout=self.settings.request_timeout_s)
+                response.raise_for_status()
+                served[url] = response.json()["data"][0]["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as problem:
+                first_problem = first_problem or problem
+                self.pool.pause(endpoint)
+        if not served and first_problem is not None:
+            raise first_problem
+        for url in {endpoint.access.base_url for endpoint in self.pool.endpoints} - set(served):
+            print(f"[regenerate] {url}/models did not answer; its requests go to the other endpoints", flush=True)
+        models = sorted(set(served.values()))
+        if len(models) > 1:
+            raise ValueError(f"regeneration.base_url: the endpoints serve different models ({served}); replicas of "
+                             "one model are expected")
+        return models[0]
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationReply]:
         return asyncio.run(self.generate_all(requests))
 
     async def generate_all(self, requests: list[GenerationRequest]) -> list[GenerationReply]:
-        limit = asyncio.Semaphore(self.settings.concurrency)
+        limit = asyncio.Semaphore(self.pool.capacity)
         async with self.client() as client:
 
             async def one(request: GenerationRequest) -> GenerationReply:
@@ -56,10 +78,10 @@ class OpenAIGenerator:
             return list(await asyncio.gather(*(one(request) for request in requests)))
 
     def client(self) -> httpx.AsyncClient:
-        """One connection pool for a stage's requests (`generate_one` takes it)."""
-        limits = httpx.Limits(max_connections=self.settings.concurrency + 4)
-        return httpx.AsyncClient(headers=self.access.headers, timeout=httpx.Timeout(self.settings.request_timeout_s),
-                                 limits=limits)
+        """One connection pool for a stage's requests (`generate_one` takes it); each request carries its
+        endpoint's headers."""
+        limits = httpx.Limits(max_connections=self.pool.capacity + 4)
+        return httpx.AsyncClient(timeout=httpx.Timeout(self.settings.request_timeout_s), limits=limits)
 
     def payload(self, request: GenerationRequest) -> dict[str, Any]:
         return {
@@ -72,22 +94,30 @@ class OpenAIGenerator:
         }
 
     async def generate_one(self, client: httpx.AsyncClient, request: GenerationRequest) -> GenerationReply:
-        """POST with retries; every outcome becomes a reply."""
+        """POST with retries, each to the least-loaded live endpoint (a failed one is paused, so a retry fails over);
+        every outcome becomes a reply."""
         last_problem = ""
-        for attempt in range(self.settings.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_seconds(attempt))
+        failed_here: set[int] = set()  # endpoints that failed this request: its retries go elsewhere first
+        for _ in range(self.settings.max_retries + 1):
+            endpoint = await self.pool.acquire(frozenset(failed_here))
+            url = f"{endpoint.access.base_url}/chat/completions"
             try:
-                response = await client.post(f"{self.base_url}/chat/completions", json=self.payload(request))
+                response = await client.post(url, json=self.payload(request), headers=endpoint.access.headers)
             except TRANSIENT_ERRORS as error:
-                last_problem = f"{type(error).__name__}: {error}"
+                self.pool.failed(endpoint)
+                failed_here.add(self.pool.position(endpoint))
+                last_problem = f"{url}: {type(error).__name__}: {error}"
                 continue
             if response.status_code == 200:
+                self.pool.answered(endpoint)
                 return self.reply_from(request, response.json())
             last_problem = f"HTTP {response.status_code}: {response.text[:300]}"
             if response.status_code < 500 and response.status_code not in RETRYABLE_STATUS:
+                self.pool.answered(endpoint)  # the server is up; sending it again cannot help
                 return GenerationReply(request.record_id, request.turn, error=f"not retried, {last_problem}",
                                        refused=True)
+            self.pool.failed(endpoint)
+            failed_here.add(self.pool.position(endpoint))
         attempts = self.settings.max_retries + 1
         return GenerationReply(request.record_id, request.turn, error=f"gave up after {attempts} attempts, last: {last_problem}")
 
