@@ -287,6 +287,10 @@ class TrainingConfig(Section):
     max_steps: Optional[int] = Field(default=None, ge=1)
     tokens_per_step: int = Field(default=2048, ge=1)
     grad_accumulation: int = Field(default=1, ge=1)
+    shuffle_buffer_shards: int = Field(
+        default=16, ge=1, description="offline: the shards are shuffled, then records within each group of this many "
+        "shards, so the trainer reads a bounded window of shards at a time (memory-mapped, record by record); with "
+        "no more shards than this, the plain shuffle of every record")
     save_interval: int = Field(default=100, ge=1)
     eval_interval: int = Field(default=100, ge=1)
     keep_last: int = Field(default=2, ge=1)

@@ -217,10 +217,12 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     module = parallelise(TTTStep(draft, cfg.training.ttt_length, cfg.training.attention_backend), strategy, env)
     trainable = [parameter for parameter in module.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
-    index = train_set.index()  # offline: reads every shard once
+    index = train_set.index()  # offline: every shard's header and offsets
     record_ids = [record_id for record_id, _ in index]
     lengths = [length for _, length in index]
-    plans = [optimizer_steps(epoch_batches(lengths, cfg.training.tokens_per_step, cfg.runtime.seed, epoch),
+    shard_of = train_set.shard_of()
+    plans = [optimizer_steps(epoch_batches(lengths, cfg.training.tokens_per_step, cfg.runtime.seed, epoch, shard_of,
+                                           cfg.training.shuffle_buffer_shards),
                              cfg.training.grad_accumulation)
              for epoch in range(cfg.training.epochs)]
     total_steps = min(cfg.training.max_steps or 10**12, sum(len(plan) for plan in plans))

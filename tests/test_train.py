@@ -72,6 +72,21 @@ def test_halt_and_resume_is_bit_identical_to_a_straight_run(base_run, tmp_path: 
     assert losses(halted) == losses(straight)
 
 
+def test_a_shard_aware_plan_trains_and_resumes_exactly(base_run, tmp_path: Path) -> None:
+    """One shard per shuffle group (training.shuffle_buffer_shards 1): another order than the plain shuffle, and a
+    halted run resumes it from the cursor bit-exactly."""
+    plain = fresh(base_run, tmp_path, "plain", max_steps=8)
+    train.run(plain)
+    straight = fresh(base_run, tmp_path, "straight", shuffle_buffer_shards=1, max_steps=8)
+    train.run(straight)
+    assert losses(straight) != losses(plain), "the shard-aware plan is another order"
+    halted = fresh(base_run, tmp_path, "halted", shuffle_buffer_shards=1, max_steps=8, halt_after=3)
+    train.run(halted)
+    resumed = train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "latest"})}))
+    assert resumed.values["complete"] and losses(halted) == losses(straight)
+    assert all(torch.equal(weights(straight)[name], weights(halted)[name]) for name in weights(straight))
+
+
 def test_resume_with_another_ttt_length_is_refused(base_run, tmp_path: Path) -> None:
     cfg = fresh(base_run, tmp_path, "run", max_steps=4)
     train.run(cfg)

@@ -40,6 +40,10 @@ class OnlineFeatures:
     def index(self) -> list[tuple[str, int]]:
         return [(sample.id, len(sample.input_ids)) for sample in self.samples]
 
+    def shard_of(self) -> list[int]:
+        """No shards: every record is in one shuffle group (the plain seeded shuffle, as offline with few shards)."""
+        return [0] * len(self.samples)
+
     def records(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """One padded target forward per `batch_size` records, in the order asked."""
         records: list[dict[str, Any]] = []

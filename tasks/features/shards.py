@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -58,6 +59,10 @@ MODE_TENSORS = {
     "lossless": ("hidden_state",),
     "compact": ("aux_scale", "teacher_topk_ids", "teacher_topk_logprobs", "target_top1"),
 }
+
+
+#: Shards a FeatureSet keeps open (memory-mapped) at once; the trainer's shuffle buffer spans more, reopened as needed.
+OPEN_SHARDS = 4
 
 
 class FeatureError(ValueError):
@@ -152,6 +157,32 @@ def shard_metadata(path: Path) -> dict[str, str]:
         raise FeatureError(f"{path}: unreadable or truncated shard ({error})") from None
 
 
+def checked_layout(path: Path, metadata: Mapping[str, str], offsets: Tensor | None, rows_of: Mapping[str, int],
+                   mode: str | None) -> list[str]:
+    """The shard's record ids, after checking its schema, tensors, offsets and row counts; FeatureError names
+    the file. `rows_of`: each tensor's row count (read from the header alone when the shard is memory-mapped)."""
+    if metadata.get("schema") != SHARD_SCHEMA:
+        raise FeatureError(f"{path}: shard schema {metadata.get('schema')!r}, expected {SHARD_SCHEMA!r}")
+    mode = mode or metadata.get("mode", "")
+    try:
+        record_ids = json.loads(metadata["record_ids"])
+    except (KeyError, json.JSONDecodeError):
+        raise FeatureError(f"{path}: metadata has no readable record_ids") from None
+    required = ("offsets", *COMMON_TENSORS, *MODE_TENSORS.get(mode, ()))
+    missing = [name for name in required if name not in rows_of]
+    if missing or offsets is None:
+        raise FeatureError(f"{path}: missing tensors {missing} for mode {mode!r}")
+    rows = rows_of["input_ids"]
+    if (offsets.numel() != len(record_ids) + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != rows
+            or bool((offsets[1:] < offsets[:-1]).any())):
+        raise FeatureError(f"{path}: offsets {offsets.tolist()[:8]}... do not describe {len(record_ids)} records "
+                           f"over {rows} rows")
+    for name in required[1:]:
+        if rows_of[name] != rows:
+            raise FeatureError(f"{path}: tensor '{name}' has {rows_of[name]} rows, input_ids has {rows}")
+    return record_ids
+
+
 def load_shard(path: Path, mode: str | None = None) -> tuple[dict[str, Tensor], list[str], dict[str, str]]:
     """Every tensor of a shard, its record ids and metadata, checked for consistency.
     A truncated or corrupt file raises FeatureError naming it."""
@@ -164,39 +195,41 @@ def load_shard(path: Path, mode: str | None = None) -> tuple[dict[str, Tensor], 
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     except Exception as error:
         raise FeatureError(f"{path}: unreadable or truncated shard ({error})") from None
-    if metadata.get("schema") != SHARD_SCHEMA:
-        raise FeatureError(f"{path}: shard schema {metadata.get('schema')!r}, expected {SHARD_SCHEMA!r}")
-    mode = mode or metadata.get("mode", "")
-    try:
-        record_ids = json.loads(metadata["record_ids"])
-    except (KeyError, json.JSONDecodeError):
-        raise FeatureError(f"{path}: metadata has no readable record_ids") from None
-    required = ("offsets", *COMMON_TENSORS, *MODE_TENSORS.get(mode, ()))
-    missing = [name for name in required if name not in tensors]
-    if missing:
-        raise FeatureError(f"{path}: missing tensors {missing} for mode {mode!r}")
-    offsets = tensors["offsets"]
-    rows = int(tensors["input_ids"].shape[0])
-    if (offsets.numel() != len(record_ids) + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != rows
-            or bool((offsets[1:] < offsets[:-1]).any())):
-        raise FeatureError(f"{path}: offsets {offsets.tolist()[:8]}... do not describe {len(record_ids)} records "
-                           f"over {rows} rows")
-    for name in required[1:]:
-        if int(tensors[name].shape[0]) != rows:
-            raise FeatureError(f"{path}: tensor '{name}' has {tensors[name].shape[0]} rows, input_ids has {rows}")
+    rows_of = {name: int(tensor.shape[0]) for name, tensor in tensors.items()}
+    record_ids = checked_layout(path, metadata, tensors.get("offsets"), rows_of, mode)
     return tensors, record_ids, metadata
 
 
-def record_slice(tensors: Mapping[str, Tensor], record_ids: list[str], index: int) -> dict[str, Any]:
-    """One record's dict: its id and every per-token tensor sliced by offsets (views, no copies)."""
-    start, end = int(tensors["offsets"][index]), int(tensors["offsets"][index + 1])
-    return {"id": record_ids[index], **{name: value[start:end] for name, value in tensors.items() if name != "offsets"}}
+class ShardReader:
+    """One shard, memory-mapped: its record ids and offsets are read on opening (checked like `load_shard`), each
+    record's rows only when asked for, so memory holds the records in use rather than the shard."""
 
+    def __init__(self, path: Path, mode: str | None = None) -> None:
+        from safetensors import safe_open
 
-def record_slices(tensors: Mapping[str, Tensor], record_ids: list[str]) -> Iterator[dict[str, Any]]:
-    """Per-record dicts of a shard, in order."""
-    for index in range(len(record_ids)):
-        yield record_slice(tensors, record_ids, index)
+        self.path = Path(path)
+        try:
+            self.handle = safe_open(str(self.path), framework="pt")
+            metadata = dict(self.handle.metadata() or {})
+            names = list(self.handle.keys())
+            rows_of = {name: int(self.handle.get_slice(name).get_shape()[0]) for name in names}
+            offsets = self.handle.get_tensor("offsets") if "offsets" in names else None
+        except Exception as error:
+            raise FeatureError(f"{self.path}: unreadable or truncated shard ({error})") from None
+        self.record_ids = checked_layout(self.path, metadata, offsets, rows_of, mode)
+        self.offsets = offsets
+        self.names = [name for name in names if name != "offsets"]
+
+    def __len__(self) -> int:
+        return len(self.record_ids)
+
+    def lengths(self) -> list[int]:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
+    def record(self, index: int) -> dict[str, Any]:
+        """One record's dict: its id and every per-token tensor, read from the file for its rows alone."""
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return {"id": self.record_ids[index], **{name: self.handle.get_slice(name)[start:end] for name in self.names}}
 
 
 @dataclass
@@ -245,7 +278,7 @@ class FeatureSet:
         self._starts = [0]
         for shard in self.shards:
             self._starts.append(self._starts[-1] + shard.records)
-        self._cached: tuple[int, dict[str, Tensor], list[str]] | None = None
+        self._open: OrderedDict[int, ShardReader] = OrderedDict()
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -254,40 +287,48 @@ class FeatureSet:
     def tokens(self) -> int:
         return sum(shard.tokens for shard in self.shards)
 
-    def _shard(self, index: int) -> tuple[dict[str, Tensor], list[str]]:
-        if self._cached is None or self._cached[0] != index:
+    def _reader(self, index: int) -> ShardReader:
+        """Shard `index` opened; the least recently used of more than OPEN_SHARDS is closed again."""
+        reader = self._open.get(index)
+        if reader is None:
             shard = self.shards[index]
-            tensors, record_ids, _ = load_shard(shard.path, self.mode)
-            if len(record_ids) != shard.records:
-                raise FeatureError(f"{shard.path}: {len(record_ids)} records, the manifest records {shard.records}")
-            self._cached = (index, tensors, record_ids)
-        return self._cached[1], self._cached[2]
+            reader = ShardReader(shard.path, self.mode)
+            if len(reader) != shard.records:
+                raise FeatureError(f"{shard.path}: {len(reader)} records, the manifest records {shard.records}")
+            self._open[index] = reader
+            while len(self._open) > OPEN_SHARDS:
+                self._open.popitem(last=False)
+        self._open.move_to_end(index)
+        return reader
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for index in range(len(self.shards)):
-            tensors, record_ids = self._shard(index)
-            yield from record_slices(tensors, record_ids)
+            reader = self._reader(index)
+            for position in range(len(reader)):
+                yield reader.record(position)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not -len(self) <= index < len(self):
             raise IndexError(f"record {index} of {len(self)}")
         index %= len(self)
         shard = bisect.bisect_right(self._starts, index) - 1
-        tensors, record_ids = self._shard(shard)
-        return record_slice(tensors, record_ids, index - self._starts[shard])
+        return self._reader(shard).record(index - self._starts[shard])
 
     def records(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """The records at these positions (the trainer's batch)."""
         return [self[index] for index in indices]
 
     def index(self) -> list[tuple[str, int]]:
-        """(record id, token count) of every record, in order."""
+        """(record id, token count) of every record, in order (each shard's header and offsets only)."""
         entries: list[tuple[str, int]] = []
         for shard in range(len(self.shards)):
-            tensors, record_ids = self._shard(shard)
-            lengths = (tensors["offsets"][1:] - tensors["offsets"][:-1]).tolist()
-            entries.extend(zip(record_ids, lengths))
+            reader = self._reader(shard)
+            entries.extend(zip(reader.record_ids, reader.lengths()))
         return entries
+
+    def shard_of(self) -> list[int]:
+        """The shard each record lies in, in record order (what a shard-aware shuffle groups by)."""
+        return [shard for shard, entry in enumerate(self.shards) for _ in range(entry.records)]
 
     def aux_rows(self, record: Mapping[str, Tensor], dtype: torch.dtype = torch.float32) -> Tensor:
         """The record's aux rows as `dtype` (dequantised in compact mode)."""

@@ -1,5 +1,5 @@
-"""Which records each training step sees: seeded per-epoch order, packed into a token budget, grouped into
-optimizer steps of `grad_accumulation` micro-batches, split by rank.
+"""Which records each training step sees: seeded per-epoch order (shard-aware: `training.shuffle_buffer_shards`),
+packed into a token budget, grouped into optimizer steps of `grad_accumulation` micro-batches, split by rank.
 
 The plan does not depend on the world size, so N ranks run exactly the steps of one; a rank takes the
 records at positions rank, rank + world, ... of each global batch (a rank left without one computes a
@@ -9,6 +9,7 @@ zero-weight pass, so the collective calls still line up). Nothing is dropped or 
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from dataclasses import dataclass
 
 
@@ -20,13 +21,32 @@ class Cursor:
     batch: int = 0
 
 
-def epoch_batches(lengths: list[int], tokens_per_step: int, seed: int, epoch: int) -> list[list[int]]:
-    """Record indices per global batch for one epoch; a batch's padded size (count x longest) fits the budget
-    unless a single record is longer than the budget."""
+def epoch_order(shard_of: list[int], seed: int, epoch: int, buffer_shards: int) -> list[int]:
+    """Record positions in one epoch's order, shard-aware: the shards are shuffled, then the records of each
+    group of `buffer_shards` consecutive shards are shuffled together, so a reader works through a bounded window
+    of shards at a time. With every shard in one group this is the plain seeded shuffle of all records."""
+    shards = sorted(set(shard_of))
+    if len(shards) > buffer_shards:
+        random.Random(f"{seed}:{epoch}:shards").shuffle(shards)
+    groups = [shards[start:start + buffer_shards] for start in range(0, len(shards), buffer_shards)]
+    members: dict[int, list[int]] = defaultdict(list)
+    for position, shard in enumerate(shard_of):
+        members[shard].append(position)
+    order: list[int] = []
+    for number, group in enumerate(groups):
+        block = sorted(position for shard in group for position in members[shard])
+        random.Random(f"{seed}:{epoch}" if len(groups) == 1 else f"{seed}:{epoch}:{number}").shuffle(block)
+        order.extend(block)
+    return order
+
+
+def epoch_batches(lengths: list[int], tokens_per_step: int, seed: int, epoch: int,
+                  shard_of: list[int] | None = None, buffer_shards: int = 1) -> list[list[int]]:
+    """Record indices per global batch for one epoch (in `epoch_order`; records without shards are one group); a
+    batch's padded size (count x longest) fits the budget unless a single record is longer than the budget."""
     if not lengths:
         raise ValueError("no training records")
-    order = list(range(len(lengths)))
-    random.Random(f"{seed}:{epoch}").shuffle(order)
+    order = epoch_order(shard_of if shard_of is not None else [0] * len(lengths), seed, epoch, buffer_shards)
     batches: list[list[int]] = []
     current: list[int] = []
     longest = 0

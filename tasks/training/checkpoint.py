@@ -45,6 +45,7 @@ def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str, comp
         "training.freeze_lm_head": training.freeze_lm_head,
         "training.epochs": training.epochs, "training.max_steps": training.max_steps,
         "training.tokens_per_step": training.tokens_per_step, "training.grad_accumulation": training.grad_accumulation,
+        "training.shuffle_buffer_shards": training.shuffle_buffer_shards,
         "training.precision": compute_dtype,
         "capture.aux_layer_ids": cfg.capture.aux_layer_ids, "capture.draft_vocab_size": cfg.capture.draft_vocab_size,
         "runtime.seed": cfg.runtime.seed, "deployment.trainer.nproc_per_node": world_size,
