@@ -1,6 +1,6 @@
 """Capture throughput by backend: the target in-process (local) vs the vLLM server (capture.backend vllm).
 
-    .venv/bin/python benchmarks/capture_backends.py [--config params.yaml] [--records 64] [--rounds 3]
+    .venv/bin/python benchmarks/capture_backends.py [--config params.yaml] [--records 64] [--rounds 3] [overrides]
 
 Takes the first N train records of a finished run (`make run` first; the run's config names its output
 directory) and runs the capture stage's own `run(cfg)` on them with each backend, each round into fresh folders
@@ -30,10 +30,10 @@ from tasks.serving.engine import free_port
 BACKENDS = ("local", "vllm")
 
 
-def measure(config: Path, run_dir: Path, train_records: list[Any], folder: Path, backend: str,
+def measure(config: Path, overrides: list[str], run_dir: Path, train_records: list[Any], folder: Path, backend: str,
             verify_fraction: float) -> dict[str, Any]:
     """One capture stage run with `backend` into `folder` (removed afterwards)."""
-    overrides = [f"capture.backend={backend}", f"capture.verify_fraction={verify_fraction}",
+    overrides = [*overrides, f"capture.backend={backend}", f"capture.verify_fraction={verify_fraction}",
                  f"runtime.engines.vllm.port={free_port()}", "capture.engine_env.VLLM_CPU_NUM_OF_RESERVED_CPU=0"]
     cfg = subrun_config(config, overrides, folder, f"capture-{backend}")
     link_run_inputs(run_dir, folder, train_records)
@@ -57,9 +57,10 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=64, help="train records captured per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--verify-fraction", type=float, default=0.05)
+    parser.add_argument("overrides", nargs="*", help="section.field=value (e.g. output_dir= of the run to read)")
     args = parser.parse_args()
 
-    run_dir = load_config(args.config, []).output_path
+    run_dir = load_config(args.config, args.overrides).output_path
     train_file = run_dir / "data" / "train.jsonl"
     if not train_file.is_file():
         raise SystemExit(f"{train_file} is missing: run the pipeline first (make run, or eaglet run --config "
@@ -71,7 +72,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         order = BACKENDS if round_index % 2 == 0 else tuple(reversed(BACKENDS))
         for backend in order:
-            point = measure(args.config, run_dir, train_records, work / f"round{round_index}-{backend}", backend,
+            point = measure(args.config, args.overrides, run_dir, train_records, work / f"round{round_index}-{backend}", backend,
                             args.verify_fraction)
             point["round"] = round_index
             points.append(point)
