@@ -25,6 +25,14 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def environment_strings(value: Any) -> Any:
+    """`env.OMP_NUM_THREADS=2` on the command line reads 2 as a number; an environment holds strings."""
+    if not isinstance(value, dict):
+        return value
+    return {key: str(item) if isinstance(item, (int, float)) and not isinstance(item, bool) else item
+            for key, item in value.items()}
+
+
 class ModelConfig(Section):
     """Where the target model comes from.
 
@@ -129,6 +137,11 @@ class RegenerationConfig(Section):
     seed: int = 0
     supervise: Literal["all", "last"] = "all"
     reasoning: Literal["off", "save"] = "off"
+
+    @field_validator("engine_env", mode="before")
+    @classmethod
+    def _numbers_as_strings(cls, value: Any) -> Any:
+        return environment_strings(value)
 
     @model_validator(mode="after")
     def _openai_needs_a_server(self) -> "RegenerationConfig":
@@ -255,6 +268,11 @@ class CaptureConfig(Section):
         description="backend vllm: this share of the records (at least one when > 0), evenly spaced, is captured "
         "again in-process; the stage fails when a state slot matches another layer best or differs beyond the "
         "dtype's tolerance")
+
+    @field_validator("engine_env", mode="before")
+    @classmethod
+    def _numbers_as_strings(cls, value: Any) -> Any:
+        return environment_strings(value)
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -501,11 +519,7 @@ class EngineConfig(Section):
     @field_validator("env", mode="before")
     @classmethod
     def _numbers_as_strings(cls, value: Any) -> Any:
-        """`env.OMP_NUM_THREADS=2` reads 2 as a number; an environment holds strings."""
-        if not isinstance(value, dict):
-            return value
-        return {key: str(item) if isinstance(item, (int, float)) and not isinstance(item, bool) else item
-                for key, item in value.items()}
+        return environment_strings(value)
 
 
 def default_engines() -> dict[str, EngineConfig]:

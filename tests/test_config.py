@@ -179,3 +179,6 @@ def test_an_engine_override_changes_one_field_and_keeps_the_engines_defaults(tmp
     from_file = load_config(partial)
     assert from_file.runtime.engines["sglang"].port == 31000 and from_file.runtime.engines["vllm"].port == 8100
     assert RunConfig.model_validate(from_file.model_dump(mode="json")) == from_file, "a dumped config reads back as is"
+    stages = load_config(None, ["regeneration.engine_env.VLLM_CPU_NUM_OF_RESERVED_CPU=0",
+                                "capture.engine_env.VLLM_CPU_NUM_OF_RESERVED_CPU=0"])
+    assert stages.regeneration.engine_env == stages.capture.engine_env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
