@@ -77,12 +77,15 @@ def child(features_dir: Path, reader: str, batches: int, tokens_per_step: int, b
     whole = WholeShardReader(features)
     started = time.perf_counter()
     tokens = 0
+    checksum = 0.0
     for batch in plan:
         records = features.records(batch) if reader == "mapped" else [whole.record(p) for p in batch]
         tokens += sum(int(record["input_ids"].numel()) for record in records)
+        for record in records:  # every byte of the batch is read, as the trainer's collate reads it
+            checksum += sum(float(value.float().sum()) for name, value in record.items() if name != "id")
     seconds = time.perf_counter() - started
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"tokens": tokens, "seconds": seconds, "peak_rss_mib": peak_kib / 1024,
+    print(json.dumps({"tokens": tokens, "seconds": seconds, "peak_rss_mib": peak_kib / 1024, "checksum": checksum,
                       "growth_mib": (peak_kib - baseline_kib) / 1024, "shards": len(features.shards)}))
 
 
