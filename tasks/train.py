@@ -228,7 +228,9 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     total_steps = min(cfg.training.max_steps or 10**12, sum(len(plan) for plan in plans))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(total_steps, cfg.training.warmup_ratio))
     dtype = compute_dtype(cfg.training.precision, env.device)
-    math_now = math_fields(cfg, env.world_size, manifest.get("fingerprint", ""), str(dtype).removeprefix("torch."))
+    shuffle_groups = math.ceil(len(set(shard_of)) / cfg.training.shuffle_buffer_shards)
+    math_now = math_fields(cfg, env.world_size, manifest.get("fingerprint", ""), str(dtype).removeprefix("torch."),
+                           shuffle_groups)
     state = TrainerState(step=0, cursor=Cursor(), math=math_now, scheduler={}, eval_metrics={})
     checkpoint = resume_point(cfg.output_path / "checkpoints", cfg.training.resume_from, math_now)
     if checkpoint is None:

@@ -87,6 +87,24 @@ def test_a_shard_aware_plan_trains_and_resumes_exactly(base_run, tmp_path: Path)
     assert all(torch.equal(weights(straight)[name], weights(halted)[name]) for name in weights(straight))
 
 
+def test_a_checkpoint_from_before_the_shuffle_was_recorded_resumes(base_run, tmp_path: Path) -> None:
+    """Checkpoints written before `training.shuffle` was a math field were trained on the plain shuffle: they resume
+    under it, and a shard-aware order is refused naming the field."""
+    straight = fresh(base_run, tmp_path, "straight", max_steps=6)
+    train.run(straight)
+    halted = fresh(base_run, tmp_path, "halted", max_steps=6, halt_after=3)
+    train.run(halted)
+    (checkpoint,) = [path for path in (halted.output_path / "checkpoints").glob("step-*")]
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["math"].pop("training.shuffle") == "plain"
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ResumeRefused, match=r"training.shuffle: checkpoint 'plain', run '1 shards per group'"):
+        train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "shuffle_buffer_shards": 1})}))
+    resumed = train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None})}))
+    assert resumed.values["complete"] and losses(halted) == losses(straight)
+
+
 def test_resume_with_another_ttt_length_is_refused(base_run, tmp_path: Path) -> None:
     cfg = fresh(base_run, tmp_path, "run", max_steps=4)
     train.run(cfg)

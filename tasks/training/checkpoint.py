@@ -35,7 +35,17 @@ class ResumeRefused(ValueError):
     """A checkpoint trained under different math than the run that wants to continue it."""
 
 
-def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str, compute_dtype: str) -> dict[str, Any]:
+#: What checkpoints written before a math field was recorded were trained under (they resume when it still holds).
+EARLIER_MATH: dict[str, Any] = {"training.shuffle": "plain"}
+
+
+def shuffle_math(shuffle_groups: int, buffer_shards: int) -> str:
+    """The epoch order as it bears on the weights: one group is the plain shuffle whatever the buffer size."""
+    return "plain" if shuffle_groups <= 1 else f"{buffer_shards} shards per group"
+
+
+def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str, compute_dtype: str,
+                shuffle_groups: int = 1) -> dict[str, Any]:
     """Settings that change the weights a run produces (intervals and retention do not)."""
     training = cfg.training
     return {
@@ -45,7 +55,7 @@ def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str, comp
         "training.freeze_lm_head": training.freeze_lm_head,
         "training.epochs": training.epochs, "training.max_steps": training.max_steps,
         "training.tokens_per_step": training.tokens_per_step, "training.grad_accumulation": training.grad_accumulation,
-        "training.shuffle_buffer_shards": training.shuffle_buffer_shards,
+        "training.shuffle": shuffle_math(shuffle_groups, training.shuffle_buffer_shards),
         "training.precision": compute_dtype,
         "capture.aux_layer_ids": cfg.capture.aux_layer_ids, "capture.draft_vocab_size": cfg.capture.draft_vocab_size,
         "runtime.seed": cfg.runtime.seed, "deployment.trainer.nproc_per_node": world_size,
@@ -120,7 +130,9 @@ def load_checkpoint(directory: Path, rank: int) -> LoadedCheckpoint:
 
 def differing_math(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     """One line per math field whose value differs between a checkpoint and this run."""
-    return [f"{name}: checkpoint {saved.get(name)!r}, run {value!r}" for name, value in wanted.items() if saved.get(name) != value]
+    recorded = {**EARLIER_MATH, **saved}
+    return [f"{name}: checkpoint {recorded.get(name)!r}, run {value!r}" for name, value in wanted.items()
+            if recorded.get(name) != value]
 
 
 def check_resumable(saved: dict[str, Any], wanted: dict[str, Any], directory: Path) -> None:
