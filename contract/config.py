@@ -305,6 +305,9 @@ class TrainingConfig(Section):
     max_steps: Optional[int] = Field(default=None, ge=1)
     tokens_per_step: int = Field(default=2048, ge=1)
     grad_accumulation: int = Field(default=1, ge=1)
+    prefetch_batches: int = Field(
+        default=4, ge=1, description="online training with capture.backend vllm: micro-batches the engine computes "
+        "ahead of the trainer (a bounded queue)")
     shuffle_buffer_shards: int = Field(
         default=16, ge=1, description="offline: the shards are shuffled, then records within each group of this many "
         "shards, so the trainer reads a bounded window of shards at a time (memory-mapped, record by record); with "
@@ -573,14 +576,6 @@ class RunConfig(Section):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
-
-    @model_validator(mode="after")
-    def _engine_capture_is_offline(self) -> "RunConfig":
-        """Online training captures in the trainer's own process; an engine writes shards for offline training."""
-        if self.capture.backend == "vllm" and self.training.mode == "online":
-            raise ValueError("capture.backend 'vllm' writes feature shards for training.mode 'offline'; online "
-                             "training captures in the trainer's own process (set capture.backend 'local')")
-        return self
 
     @property
     def output_path(self) -> Path:

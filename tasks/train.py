@@ -50,6 +50,7 @@ from models.vocab_mapping import load_vocab_mapping
 from tasks.common.artifacts import atomic_file, read_json, write_json
 from tasks.common.devices import autocast, compute_dtype, resolve_device
 from tasks.features.batches import collate
+from tasks.features.engine_states import EngineStates, online_capture_engine
 from tasks.features.shards import FeatureSet, check_manifest
 from tasks.training.checkpoint import (TrainerState, load_checkpoint, math_fields, prune_checkpoints, record_best,
                                        resume_point, rng_state, save_checkpoint)
@@ -100,11 +101,13 @@ class TTTStep(nn.Module):
 
 
 def run(cfg: RunConfig) -> TrainResult:
-    """Train (in this process, or under torchrun when more than one rank is configured)."""
+    """Train (in this process, or under torchrun when more than one rank is configured); online training with
+    `capture.backend: vllm` first starts the engine that computes the features."""
     check_attention_backend(cfg.training.attention_backend)
-    if cfg.deployment.trainer.world_size > 1 and "RANK" not in os.environ:
-        return launch_ranks(cfg)
-    return train(cfg)
+    with online_capture_engine(cfg):
+        if cfg.deployment.trainer.world_size > 1 and "RANK" not in os.environ:
+            return launch_ranks(cfg)
+        return train(cfg)
 
 
 def launch_ranks(cfg: RunConfig) -> TrainResult:
@@ -278,10 +281,40 @@ def start_fresh(cfg: RunConfig, env: Distributed) -> None:
 
 def run_steps(loop: Loop, plans: list[list[list[list[int]]]]) -> None:
     """The step loop, from the state's cursor; stops at total_steps or after training.halt_after steps."""
-    from tasks.common.progress import progress_bar
-
     cfg, state = loop.cfg, loop.state
     halt_at = state.step + cfg.training.halt_after if cfg.training.halt_after else None
+    last_step = min(loop.total_steps, halt_at) if halt_at is not None else loop.total_steps
+    streaming = stream_features(loop, plans, last_step - state.step)
+    try:
+        step_through(loop, plans, halt_at)
+    finally:
+        if streaming:
+            loop.train_set.close()
+
+
+def stream_features(loop: Loop, plans: list[list[list[list[int]]]], steps: int) -> bool:
+    """Online features from an engine: hand this rank's coming micro-batches to the producer (bounded queue);
+    False when the features come another way."""
+    features = loop.train_set
+    if not isinstance(getattr(features, "source", None), EngineStates):
+        return False
+    env, cursor = loop.env, loop.state.cursor
+    coming: list[list[int]] = []
+    for epoch in range(cursor.epoch, len(plans)):
+        start = cursor.batch if epoch == cursor.epoch else 0
+        for step in plans[epoch][start:]:
+            if steps <= 0:
+                break
+            steps -= 1
+            coming.extend(rank_share(batch, env.rank, env.world_size) or batch[:1] for batch in step)
+    features.stream(coming, loop.cfg.training.prefetch_batches)
+    return True
+
+
+def step_through(loop: Loop, plans: list[list[list[list[int]]]], halt_at: int | None) -> None:
+    from tasks.common.progress import progress_bar
+
+    state = loop.state
     with progress_bar("train", loop.total_steps) as bar:
         bar.update(bar.task_ids[0], completed=state.step)
         for epoch in range(state.cursor.epoch, len(plans)):

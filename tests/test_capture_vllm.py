@@ -6,6 +6,8 @@ on the tiny target, and a planted off-by-one layer numbering must fail the in-pr
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,16 +18,19 @@ from flows.preflight import engine_problems
 from models.target_capture import every_layer_output
 from models.target_heads import load_target_heads
 from models.target_loading import load_target
-from tasks import capture
+from tasks import capture, train
 from tasks.common.artifacts import read_json
 from tasks.features import engine_states
 from tasks.features.engine_check import TOLERANCE, verification_sample
-from tasks.features.engine_states import (EngineCaptureError, EngineStates, HeadModel, checked_states,
-                                          engine_layer_ids, final_norm)
+from tasks.features.engine_states import (CAPTURE_URL_VARIABLE, EngineCaptureError, EngineStates, HeadModel,
+                                          checked_states, engine_layer_ids, final_norm)
+from tasks.features.online import OnlineFeatures
 from tasks.features.preparation import Sample
 from tasks.features.shards import FeatureSet
+from tasks.features.state_sources import LocalStates
 from tasks.serving.engine import free_port
 from test_capture import AUX, EVAL, SKIPPED, TRAIN, make_run
+from training_run import captured_run, copy_run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -127,9 +132,56 @@ def test_verification_sample_is_evenly_spaced_and_never_empty() -> None:
     assert verification_sample(samples, 0.0) == [] and len(verification_sample(samples, 1.0)) == 10
 
 
-def test_engine_capture_is_for_offline_training_and_needs_the_engine(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="capture.backend 'vllm' writes feature shards for training.mode 'offline'"):
-        RunConfig.model_validate({"capture": {"backend": "vllm"}, "training": {"mode": "online"}})
+@pytest.mark.slow
+def test_online_training_takes_its_features_from_the_engine(tmp_path: Path, tiny_target_dir: Path) -> None:
+    """training.mode online with capture.backend vllm: the train stage starts the engine, a producer thread streams
+    the coming micro-batches from it, and the run equals online training on the in-process target."""
+    base = captured_run(tmp_path / "base", tiny_target_dir, max_steps=6)
+
+    def online(name: str, **capture_settings) -> RunConfig:
+        copy_run(base.output_path, tmp_path / name)
+        return base.model_copy(update={"output_dir": str(tmp_path / name),
+                                       "training": base.training.model_copy(update={"mode": "online"}),
+                                       "capture": base.capture.model_copy(update=capture_settings)})
+
+    local = online("local")
+    local_result = train.run(local)
+    engine_cfg = online("engine", backend="vllm", engine_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    engine_cfg.runtime.engines["vllm"].port = free_port()
+    engine_result = train.run(engine_cfg)
+
+    assert engine_result.values["complete"] and engine_result.values["steps"] == local_result.values["steps"] == 6
+    assert "data_wait_share" in engine_result.values
+    engine_losses, local_losses = step_losses(engine_cfg), step_losses(local)
+    assert engine_losses.keys() == local_losses.keys()
+    assert all(abs(engine_losses[step] - local_losses[step]) < 1e-4 for step in local_losses), (engine_losses, local_losses)
+    assert "extract_hidden_states" in (engine_cfg.output_path / "logs" / "train-capture-vllm.log").read_text()
+    assert CAPTURE_URL_VARIABLE not in os.environ and not (engine_cfg.output_path / "train" / ".engine-states").exists()
+
+
+def step_losses(cfg: RunConfig) -> dict[int, float]:
+    rows = [json.loads(line) for line in (cfg.output_path / "train" / "steps.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def test_the_online_stream_hands_out_batches_in_order_and_computes_the_rest(tiny_target_dir: Path) -> None:
+    model, _ = load_target(tiny_target_dir)
+    samples = [Sample(f"train.jsonl:{n}", f"r{n}", [5 + n, 17, 42, 99][: 2 + n % 3], [0, 1, 1, 1][: 2 + n % 3])
+               for n in range(6)]
+    features = OnlineFeatures(samples, LocalStates(model, AUX, 0, 2), "float32")
+    direct = [features.compute(batch) for batch in ([0, 1], [2], [3, 4, 5])]
+    features.stream([[0, 1], [2], [3, 4, 5]], depth=1)
+    assert features.records([0, 1])[0]["id"] == "r0" and features.ready is not None
+    assert [r["id"] for r in features.records([5])] == ["r5"], "a batch out of turn is computed on the spot"
+    for batch, want in zip(([2], [3, 4, 5]), direct[1:]):
+        got = features.records(batch)
+        assert [r["id"] for r in got] == [r["id"] for r in want]
+        # the producer thread's forward passes run beside this thread's: equal up to float summation order
+        assert all(torch.allclose(g["hidden_state"], w["hidden_state"], atol=1e-6) for g, w in zip(got, want))
+    features.close()
+
+
+def test_engine_capture_needs_the_engine(tmp_path: Path) -> None:
     cfg = RunConfig.model_validate({"capture": {"backend": "vllm"}, "benchmark": {"engines": []},
                                     "runtime": {"engines": {"vllm": {"python": str(tmp_path / "none/python")}}}})
     (problem,) = engine_problems(cfg)

@@ -26,11 +26,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import torch
@@ -39,7 +41,7 @@ from safetensors.torch import load_file
 from contract.config import RunConfig
 from contract.secrets import unredacted_mapping
 from models.eagle3 import RMSNorm
-from models.target_capture import vllm_layer_id
+from models.target_capture import resolve_aux_layer_ids, vllm_layer_id
 from models.target_heads import load_target_heads
 from tasks.features.preparation import Sample
 from tasks.features.state_sources import States
@@ -51,6 +53,8 @@ CONNECTOR_MODULE = "eaglet_hidden_states"
 LAYER_CONVENTION = ("vLLM id k = the state entering decoder layer k = output of decoder layer k-1 "
                     "(HF hidden_states[k]); eaglet's aux id i is sent as i+1, and the last layer's raw output "
                     "(id N) is normed here with the target's final norm")
+#: Where online training's ranks find the engine the train stage started (tasks/features/online.py).
+CAPTURE_URL_VARIABLE = "EAGLET_CAPTURE_URL"
 REQUEST_TIMEOUT_S = 900.0
 STATE_FILE_TIMEOUT_S = 120.0
 
@@ -79,12 +83,21 @@ def capture_launch(cfg: RunConfig, layer_ids: list[int], states_dir: Path, log_p
     launch.extra_args = [
         "--speculative-config", json.dumps(speculative),
         "--kv-transfer-config", json.dumps(transfer),
-        "--max-model-len", str(cfg.validation.max_length + 1),
+        "--max-model-len", str(engine_max_length(cfg)),
         "--no-enable-prefix-caching",
         "--dtype", cfg.model.dtype,
         *launch.extra_args,
     ]  # fmt: skip
     return launch
+
+
+def engine_max_length(cfg: RunConfig) -> int:
+    """Room for the longest record (validation.max_length) and the one token generated, within the target's
+    positions (vLLM refuses a longer max_model_len)."""
+    config = json.loads((cfg.output_path / "target" / "config.json").read_text())
+    positions = config.get("max_position_embeddings")
+    wanted = cfg.validation.max_length + 1
+    return min(wanted, int(positions)) if positions else wanted
 
 
 class HeadModel(torch.nn.Module):
@@ -144,10 +157,15 @@ class EngineStates:
 
     @classmethod
     def for_run(cls, cfg: RunConfig, engine: RunningEngine, layer_ids: list[int]) -> "EngineStates":
+        return cls.from_url(cfg, engine.base_url, layer_ids, engine.launch.served_model_name)
+
+    @classmethod
+    def from_url(cls, cfg: RunConfig, base_url: str, layer_ids: list[int],
+                 served_model: str = "target") -> "EngineStates":
+        """States from the engine at `base_url` (started by `capture_launch`, e.g. by another process)."""
         heads = load_target_heads(cfg.output_path / "target")
-        return cls(engine.base_url, engine.launch.served_model_name, layer_ids,
-                   final_norm(cfg.output_path / "target", heads.final_norm), HeadModel(heads.lm_head),
-                   cfg.capture.engine_concurrency)
+        return cls(base_url, served_model, layer_ids, final_norm(cfg.output_path / "target", heads.final_norm),
+                   HeadModel(heads.lm_head), cfg.capture.engine_concurrency)
 
     def raw_states(self, sample: Sample, client: httpx.Client) -> torch.Tensor:
         """The engine's states of one record, [T, len(layer_ids), H], checked against the ids sent."""
@@ -200,6 +218,32 @@ def checked_states(sample: Sample, tensors: dict[str, torch.Tensor], layers: int
         raise EngineCaptureError(f"record {sample.id} ({sample.key}): hidden_states has shape {tuple(states.shape)}, "
                                  f"expected [{len(saved_ids)}, {layers}, hidden]")
     return states
+
+
+@contextmanager
+def online_capture_engine(cfg: RunConfig) -> Iterator[None]:
+    """For online training with `capture.backend: vllm`: the engine, started for the train stage, its URL in
+    CAPTURE_URL_VARIABLE (inherited by torchrun's ranks) while it runs; nothing otherwise."""
+    if cfg.training.mode != "online" or cfg.capture.backend != "vllm" or CAPTURE_URL_VARIABLE in os.environ:
+        yield
+        return
+    from tasks.common.target_info import read_target_info
+    from tasks.serving.engine import serve
+
+    info = read_target_info(cfg.output_path)
+    layer_ids = engine_layer_ids(resolve_aux_layer_ids(cfg.capture.aux_layer_ids, info.num_hidden_layers),
+                                 info.num_hidden_layers)
+    states_dir = cfg.output_path / "train" / ".engine-states"
+    launch = capture_launch(cfg, layer_ids, states_dir, cfg.output_path / "logs" / "train-capture-vllm.log")
+    try:
+        with serve(launch) as engine:
+            os.environ[CAPTURE_URL_VARIABLE] = engine.base_url
+            try:
+                yield
+            finally:
+                os.environ.pop(CAPTURE_URL_VARIABLE, None)
+    finally:
+        shutil.rmtree(states_dir, ignore_errors=True)
 
 
 def engine_version(engine: RunningEngine) -> str:
