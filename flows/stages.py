@@ -40,9 +40,9 @@ STAGE_READS: dict[str, StageReads] = {
     "validate": StageReads(("validation", "regeneration", "run_id", "model.trust_remote_code")),
     "capture": StageReads(("capture", "validation.max_length", "validation.cut_turns", "model.dtype",
                            "model.trust_remote_code", "runtime.device", "training.mode", "runtime.engines")),
-    "train": StageReads(("training", "deployment", "capture.aux_layer_ids", "capture.draft_vocab_size",
-                         "capture.mode", "regeneration", "model.trust_remote_code", "runtime.device",
-                         "runtime.seed")),
+    "train": StageReads(("training", "deployment", "capture", "regeneration", "model.trust_remote_code",
+                         "model.dtype", "runtime.device", "runtime.seed", "runtime.engines",
+                         "validation.max_length", "validation.cut_turns")),  # online training captures itself
     "evaluate": StageReads(("evaluation", "validation.max_length", "model.dtype", "model.trust_remote_code",
                             "runtime.device", "runtime.seed")),
     "benchmark": StageReads(("benchmark", "evaluation", "registry.engine_tolerance", "registry.speedup_concurrency",
