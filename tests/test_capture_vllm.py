@@ -6,7 +6,6 @@ on the tiny target, and a planted off-by-one layer numbering must fail the in-pr
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from models.target_capture import every_layer_output
 from models.target_heads import load_target_heads
 from models.target_loading import load_target
 from tasks import capture, train
-from tasks.common.artifacts import read_json
 from tasks.features import engine_states
 from tasks.features.engine_check import TOLERANCE, verification_sample
 from tasks.features.engine_states import (CAPTURE_URL_VARIABLE, EngineCaptureError, EngineStates, HeadModel,
@@ -30,6 +28,7 @@ from tasks.features.shards import FeatureSet
 from tasks.features.state_sources import LocalStates
 from tasks.serving.engine import free_port
 from test_capture import AUX, EVAL, SKIPPED, TRAIN, make_run
+from test_train_modes import losses
 from training_run import captured_run, copy_run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -152,16 +151,11 @@ def test_online_training_takes_its_features_from_the_engine(tmp_path: Path, tiny
 
     assert engine_result.values["complete"] and engine_result.values["steps"] == local_result.values["steps"] == 6
     assert "data_wait_share" in engine_result.values
-    engine_losses, local_losses = step_losses(engine_cfg), step_losses(local)
+    engine_losses, local_losses = losses(engine_cfg), losses(local)
     assert engine_losses.keys() == local_losses.keys()
     assert all(abs(engine_losses[step] - local_losses[step]) < 1e-4 for step in local_losses), (engine_losses, local_losses)
     assert "extract_hidden_states" in (engine_cfg.output_path / "logs" / "train-capture-vllm.log").read_text()
     assert CAPTURE_URL_VARIABLE not in os.environ and not (engine_cfg.output_path / "train" / ".engine-states").exists()
-
-
-def step_losses(cfg: RunConfig) -> dict[int, float]:
-    rows = [json.loads(line) for line in (cfg.output_path / "train" / "steps.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
 
 
 def test_the_online_stream_hands_out_batches_in_order_and_computes_the_rest(tiny_target_dir: Path) -> None:
