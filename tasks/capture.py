@@ -21,7 +21,6 @@ first missing shard). The manifest is written last: without it, the features are
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,14 +33,13 @@ from tasks.common.artifacts import write_json
 from tasks.common.progress import advance, progress_bar
 from tasks.common.target_info import load_target_model, pad_token_id
 from tasks.features.engine_check import verification_sample, verify_engine_states
-from tasks.features.engine_states import (LAYER_CONVENTION, EngineStates, capture_launch, engine_layer_ids,
+from tasks.features.engine_states import (LAYER_CONVENTION, EngineStates, capture_engine, engine_layer_ids,
                                           engine_version)
 from tasks.features.manifest import build_manifest
 from tasks.features.preparation import SPLITS, CaptureInputs, prepare_inputs
 from tasks.features.shards import file_sha256
 from tasks.features.state_sources import LocalStates, StateSource
 from tasks.features.writer import ShardPlan, plan_shards, remove_stale_files, shard_is_current, write_shard
-from tasks.serving.engine import serve
 
 
 @dataclass
@@ -86,18 +84,14 @@ def opened_source(cfg: RunConfig, inputs: CaptureInputs,
                 "dtype": cfg.model.dtype})
         return
     layer_ids = engine_layer_ids(inputs.aux_ids, inputs.info.num_hidden_layers)
-    states_dir = features_dir / ".engine-states"
-    launch = capture_launch(cfg, layer_ids, states_dir, cfg.output_path / "logs" / "capture-vllm.log")
-    try:
-        with serve(launch) as engine:
-            yield (EngineStates.for_run(cfg, engine, layer_ids),
-                   {"backend": "vllm", "engine": "vllm", "version": engine_version(engine), "dtype": cfg.model.dtype,
-                    "engine_layer_ids": layer_ids, "layer_id_convention": LAYER_CONVENTION})
-    finally:
-        shutil.rmtree(states_dir, ignore_errors=True)
+    with capture_engine(cfg, layer_ids, features_dir / ".engine-states", "capture-vllm.log") as engine:
+        yield (EngineStates.for_run(cfg, engine, layer_ids),
+               {"backend": "vllm", "engine": "vllm", "version": engine_version(engine), "dtype": cfg.model.dtype,
+                "engine_layer_ids": layer_ids, "layer_id_convention": LAYER_CONVENTION})
 
 
-def verify_written(cfg: RunConfig, source: EngineStates, inputs: CaptureInputs, written: list[ShardPlan]) -> dict[str, Any]:
+def verify_written(cfg: RunConfig, source: EngineStates, inputs: CaptureInputs,
+                   written: list[ShardPlan]) -> dict[str, Any]:
     """`capture.verify_fraction` of the records just captured by the engine, captured again in-process."""
     samples = verification_sample([sample for plan in written for sample in plan.samples], cfg.capture.verify_fraction)
     if not samples:

@@ -228,20 +228,29 @@ def online_capture_engine(cfg: RunConfig) -> Iterator[None]:
         yield
         return
     from tasks.common.target_info import read_target_info
-    from tasks.serving.engine import serve
 
     info = read_target_info(cfg.output_path)
     layer_ids = engine_layer_ids(resolve_aux_layer_ids(cfg.capture.aux_layer_ids, info.num_hidden_layers),
                                  info.num_hidden_layers)
     states_dir = cfg.output_path / "train" / ".engine-states"
-    launch = capture_launch(cfg, layer_ids, states_dir, cfg.output_path / "logs" / "train-capture-vllm.log")
+    with capture_engine(cfg, layer_ids, states_dir, "train-capture-vllm.log") as engine:
+        os.environ[CAPTURE_URL_VARIABLE] = engine.base_url
+        try:
+            yield
+        finally:
+            os.environ.pop(CAPTURE_URL_VARIABLE, None)
+
+
+@contextmanager
+def capture_engine(cfg: RunConfig, layer_ids: list[int], states_dir: Path, log_name: str) -> Iterator[RunningEngine]:
+    """The engine `capture_launch` describes, ready; stopped afterwards and its state folder removed (the capture
+    stage's and online training's one way to run it)."""
+    from tasks.serving.engine import serve
+
+    launch = capture_launch(cfg, layer_ids, states_dir, cfg.output_path / "logs" / log_name)
     try:
         with serve(launch) as engine:
-            os.environ[CAPTURE_URL_VARIABLE] = engine.base_url
-            try:
-                yield
-            finally:
-                os.environ.pop(CAPTURE_URL_VARIABLE, None)
+            yield engine
     finally:
         shutil.rmtree(states_dir, ignore_errors=True)
 
