@@ -501,10 +501,25 @@ class TrainerDeployment(Section):
         return self.nnodes * self.nproc_per_node
 
 
+#: The pipeline's stages in order (flows/stages.py runs them; `deployment.work_pools` places them by these names).
+StageName = Literal["target", "ingest", "regenerate", "validate", "capture", "train", "evaluate", "benchmark",
+                    "register"]
+
+
 class DeploymentConfig(Section):
+    """Scheduled runs of the flow (flows/deployments.py) and where their work runs.
+
+    `work_pool` is the pool of the pipeline flow itself; `work_pools` sends named stages to other pools (e.g. the
+    GPU stages to a GPU pool): each such stage runs as an `eaglet-stage` flow run on a worker of its pool and hands
+    its result back through `output_dir`, which every pool's workers must see (flows/placement.py).
+    """
+
     name: str = "eaglet-scheduled"
     cron: Optional[str] = None
     work_pool: Optional[str] = None
+    work_pools: dict[StageName, str] = Field(
+        default_factory=dict, description="stage name -> Prefect work pool its deployment runs it on; stages not "
+        "named run in the pipeline flow's own process")
     trainer: TrainerDeployment = Field(default_factory=TrainerDeployment)
 
 

@@ -18,6 +18,9 @@ upload is needed when eaglet is installed on the worker nodes (`pip install -e .
     prefect worker start --pool gpu                            # on each GPU node, in eaglet's venv
     eaglet deploy --config /shared/params.yaml --cron "0 3 * * 0" --work-pool gpu
 
+With `deployment.work_pools` (stage -> pool), `eaglet deploy` also registers `eaglet-stage/<name>-<pool>` for each
+pool named there, and the pipeline's runs send those stages to it (flows/placement.py; README "On a cluster").
+
 The same deployment as a `prefect.yaml` for `prefect deploy --all` (run from the repository root; the
 workers find the code in the same checkout, e.g. on a shared filesystem):
 
@@ -41,16 +44,22 @@ import typer
 
 from contract.config import RunConfig
 from flows.cli_common import ConfigOption, console, load_or_exit
-from flows.stages import select_stages
+from flows.placement import STAGE_FLOW, stage_deployment_name, stage_pools
+from flows.stages import STAGE_ORDER, select_stages
 
 
-def deployment_parameters(config_path: Optional[Path], overrides: list[str], stages: Optional[list[str]]) -> dict[str, Any]:
-    """The flow's parameters for every scheduled run; the config path is absolute (runs start elsewhere)."""
-    return {
+def deployment_parameters(config_path: Optional[Path], overrides: list[str], stages: Optional[list[str]],
+                          place_stages: bool = False) -> dict[str, Any]:
+    """The flow's parameters for every scheduled run; the config path is absolute (runs start elsewhere).
+    `place_stages` only appears when the config places stages on work pools."""
+    parameters: dict[str, Any] = {
         "config_path": str(config_path.resolve()) if config_path is not None else None,
         "overrides": list(overrides),
         "stages": stages,
     }
+    if place_stages:
+        parameters["place_stages"] = True
+    return parameters
 
 
 def serve_pipeline(cfg: RunConfig, cron: str, parameters: dict[str, Any]) -> None:
@@ -71,7 +80,20 @@ def deploy_to_work_pool(cfg: RunConfig, cron: str, parameters: dict[str, Any], w
 
     return pipeline.deploy(name=cfg.deployment.name, work_pool_name=work_pool, cron=cron, parameters=parameters,
                            entrypoint_type=EntrypointType.MODULE_PATH, build=False, push=False,
-                           print_next_steps=False)
+                           print_next_steps=False, ignore_warnings=True)
+
+
+def deploy_stage_flows(cfg: RunConfig) -> dict[str, UUID]:
+    """Register one `eaglet-stage` deployment per pool of `deployment.work_pools` (no schedule: the pipeline's
+    runs start them); returns each pool's deployment id."""
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.pipeline import placed_stage
+
+    return {pool: placed_stage.deploy(name=stage_deployment_name(cfg, pool), work_pool_name=pool,
+                                      entrypoint_type=EntrypointType.MODULE_PATH, build=False, push=False,
+                                      print_next_steps=False, ignore_warnings=True)
+            for pool in stage_pools(cfg)}
 
 
 OverridesArgument = typer.Argument(None, help="Overrides as section.field=value (YAML values), kept for every run.")
@@ -101,7 +123,11 @@ def deploy(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]]
     except KeyError as error:
         console.print(f"[red]{error.args[0]}[/red]")
         raise typer.Exit(code=2) from None
-    parameters = deployment_parameters(config, overrides or [], selected)
+    parameters = deployment_parameters(config, overrides or [], selected, place_stages=bool(cfg.deployment.work_pools))
+    for stage_pool, deployment_id in deploy_stage_flows(cfg).items():
+        placed = [name for name in STAGE_ORDER if cfg.deployment.work_pools.get(name) == stage_pool]
+        console.print(f"deployment {STAGE_FLOW}/{stage_deployment_name(cfg, stage_pool)} ({deployment_id}) on work "
+                      f"pool {stage_pool}: stages {', '.join(placed)}")
     pool = work_pool or cfg.deployment.work_pool
     if pool:
         deployment_id = deploy_to_work_pool(cfg, schedule, parameters, pool)

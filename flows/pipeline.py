@@ -25,9 +25,10 @@ from prefect.states import State
 from contract.config import RunConfig
 from contract.config_loading import load_config
 from flows.stage_cache import outputs_unchanged, record_outputs, results_dir, stage_cache_key
-from flows.stage_records import JSON_SERIALIZER, StageRecord, recorded, set_aside_unsafe_record
+from flows.placement import STAGE_FLOW, Placement, is_placed, run_placed_stage
+from flows.stage_records import JSON_SERIALIZER, StageFailed, StageRecord, recorded, set_aside_unsafe_record
 from flows.stages import select_stages, stage_function
-from flows.tracking import tracked_run
+from flows.tracking import joined_run, tracked_run
 from tasks.common.run_lock import output_dir_lock
 from tasks.serving.engine import EngineMissing, EngineStartError
 from tasks.data.generation_openai import RETRYABLE_STATUS
@@ -35,14 +36,6 @@ from tasks.data.generation_openai import RETRYABLE_STATUS
 #: Attempts after the first, and the pause before each: time for a port or GPU memory to be released.
 STAGE_RETRIES = 2
 RETRY_DELAYS_S = [5, 30]
-
-
-class StageFailed(RuntimeError):
-    """A stage of the pipeline failed; the message names it and carries the stage's own error."""
-
-    def __init__(self, stage: str, error: BaseException) -> None:
-        super().__init__(f"stage {stage} failed: {type(error).__name__}: {error}")
-        self.stage = stage
 
 
 @dataclass
@@ -106,23 +99,44 @@ def run_stage(name: str, cfg: RunConfig, use_cache: bool = True) -> StageRecord:
 
 @flow(name="eaglet-pipeline", log_prints=True)
 def pipeline(config_path: str | None = None, overrides: list[str] | None = None, stages: list[str] | None = None,
-             use_cache: bool = True) -> dict[str, dict[str, float]]:
+             use_cache: bool = True, place_stages: bool = False) -> dict[str, dict[str, float]]:
     """Run the selected stages (all by default) of the run config; returns each stage's summary.
 
     `use_cache=False` runs every selected stage even when its inputs are unchanged (results are still stored,
-    so the next cached run can reuse them).
+    so the next cached run can reuse them). `place_stages=True` (runs of a deployment with `deployment.work_pools`)
+    runs each stage named there on its work pool (flows/placement.py).
     """
     cfg = load_config(config_path, overrides or [])
-    return run_stages(cfg, select_stages(stages), use_cache)
+    placement = Placement(config_path, list(overrides or []), use_cache) if place_stages else None
+    return run_stages(cfg, select_stages(stages), use_cache, placement)
 
 
-def run_stages(cfg: RunConfig, names: list[str], use_cache: bool = True) -> dict[str, dict[str, float]]:
+def run_stages(cfg: RunConfig, names: list[str], use_cache: bool = True,
+               placement: Optional[Placement] = None) -> dict[str, dict[str, float]]:
     """Run `names` in order under the output_dir lock (taken before MLflow, so a refused run records nothing)."""
     summaries: dict[str, dict[str, float]] = {}
     with output_dir_lock(cfg.output_path, f"eaglet-pipeline flow ({', '.join(names)})"):
         with tracked_run(cfg, run_name=cfg.run_id, tags={"eaglet.kind": "pipeline"}) as tracker:
             for name in names:
-                result = run_stage(name, cfg, use_cache)
+                if is_placed(name, cfg, placement):
+                    result = run_stage_on_its_pool(name, cfg, placement.parameters(name, tracker.run_id))
+                else:
+                    result = run_stage(name, cfg, use_cache)
                 tracker.log_stage(name, result)
                 summaries[name] = result.summary()
     return summaries
+
+
+def run_stage_on_its_pool(name: str, cfg: RunConfig, parameters: dict[str, Any]) -> StageRecord:
+    """A placed stage: its record is read from where the worker's run persists it (the same cache key)."""
+    return run_placed_stage(name, cfg, parameters, results_dir(cfg) / stage_cache_key(name, cfg))
+
+
+@flow(name=STAGE_FLOW, log_prints=True)
+def placed_stage(config_path: str | None, overrides: list[str], stage: str, use_cache: bool = True,
+                 parent_run_id: str | None = None) -> dict[str, float]:
+    """One stage of a pipeline run, on a worker of the pool `deployment.work_pools` gives it: the same cached task
+    as in the pipeline's process, logging into the pipeline's MLflow run. Its record goes to output_dir."""
+    cfg = load_config(config_path, overrides or [])
+    with joined_run(cfg, parent_run_id):
+        return run_stage(stage, cfg, use_cache).summary()

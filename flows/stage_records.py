@@ -24,6 +24,14 @@ JSON_SERIALIZER = "json"
 CLASS_MARKER = "__class__"
 
 
+class StageFailed(RuntimeError):
+    """A stage of the pipeline failed; the message names it and carries the stage's own error."""
+
+    def __init__(self, stage: str, error: BaseException) -> None:
+        super().__init__(f"stage {stage} failed: {type(error).__name__}: {error}")
+        self.stage = stage
+
+
 @dataclass(frozen=True)
 class StageRecord:
     """A stage's summary numbers and report files: what the flow logs and returns, as Prefect persists it."""
@@ -67,6 +75,15 @@ def is_plain_json_record(content: bytes) -> bool:
     except (ValueError, KeyError, TypeError):
         return False
     return serializer == JSON_SERIALIZER and not names_a_class(payload)
+
+
+def read_stage_record(path: Path) -> StageRecord:
+    """The StageRecord Prefect persisted at `path` (refused unless it is a plain JSON record)."""
+    content = path.read_bytes()
+    if not is_plain_json_record(content):
+        raise ValueError(f"{path} is not a plain JSON stage record")
+    result = json.loads(content)["result"]
+    return StageRecord.from_json(json.loads(result) if isinstance(result, (str, bytes)) else result)
 
 
 def names_a_class(value: Any) -> bool:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, get_args
 
-from contract.config import RunConfig
+from contract.config import RunConfig, StageName
 
-STAGE_ORDER: tuple[str, ...] = ("target", "ingest", "regenerate", "validate", "capture", "train", "evaluate",
-                                  "benchmark", "register")
+STAGE_ORDER: tuple[str, ...] = get_args(StageName)
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ STAGE_READS: dict[str, StageReads] = {
     "validate": StageReads(("validation", "regeneration", "run_id", "model.trust_remote_code")),
     "capture": StageReads(("capture", "validation.max_length", "validation.cut_turns", "model.dtype",
                            "model.trust_remote_code", "runtime.device", "training.mode", "runtime.engines")),
-    "train": StageReads(("training", "deployment", "capture", "regeneration", "model.trust_remote_code",
+    "train": StageReads(("training", "deployment.trainer", "capture", "regeneration", "model.trust_remote_code",
                          "model.dtype", "runtime.device", "runtime.seed", "runtime.engines",
                          "validation.max_length", "validation.cut_turns")),  # online training captures itself
     "evaluate": StageReads(("evaluation", "validation.max_length", "model.dtype", "model.trust_remote_code",

@@ -53,3 +53,22 @@ def tracked_run(cfg: RunConfig, run_name: str, tags: dict[str, str] | None = Non
         mlflow.log_params(flatten_config(cfg))
         mlflow.log_text(config_as_yaml(cfg), "config/run.yaml")
         yield Tracker(mlflow)
+
+
+@contextmanager
+def joined_run(cfg: RunConfig, run_id: Optional[str]) -> Iterator[None]:
+    """Make the pipeline's MLflow run `run_id` active in this process (a stage placed on another work pool), so what
+    the stage logs itself lands where an in-process stage's would. The run stays RUNNING: the pipeline ends it."""
+    if not cfg.tracking.enabled or run_id is None:
+        yield
+        return
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    joined = mlflow.start_run(run_id=run_id)
+    mlflow.set_experiment(experiment_id=joined.info.experiment_id)  # where the stage's nested runs go
+    try:
+        yield
+    finally:
+        mlflow.end_run(status="RUNNING")

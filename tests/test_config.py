@@ -182,3 +182,10 @@ def test_an_engine_override_changes_one_field_and_keeps_the_engines_defaults(tmp
     stages = load_config(None, ["regeneration.engine_env.VLLM_CPU_NUM_OF_RESERVED_CPU=0",
                                 "capture.engine_env.VLLM_CPU_NUM_OF_RESERVED_CPU=0"])
     assert stages.regeneration.engine_env == stages.capture.engine_env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def test_work_pools_name_stages_that_exist(tmp_path: Path) -> None:
+    placed = load_config(write(tmp_path, "deployment:\n  work_pools: {train: gpu, capture: gpu}\n"), [])
+    assert placed.deployment.work_pools == {"train": "gpu", "capture": "gpu"}
+    message = rejection(tmp_path, "deployment:\n  work_pools: {trian: gpu}\n")
+    assert "deployment.work_pools" in message and "trian" in message and "'train'" in message, message

@@ -83,10 +83,13 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     assert server.returncode is not None
 
 
-def write_config(tmp_path: Path, tiny_target_dir: Path, deployment: str) -> Path:
+def write_config(tmp_path: Path, tiny_target_dir: Path, deployment: str, tracking: dict | None = None,
+                 work_pools: dict[str, str] | None = None) -> Path:
     chats = write_conversations(tmp_path / "inputs" / "chats.jsonl")
-    config = tiny_run_config(str(tmp_path / "out"), tiny_target_dir, str(chats), {"enabled": False})
+    config = tiny_run_config(str(tmp_path / "out"), tiny_target_dir, str(chats), tracking or {"enabled": False})
     config["deployment"]["name"] = deployment
+    if work_pools:
+        config["deployment"]["work_pools"] = work_pools
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -155,3 +158,72 @@ def test_work_pool_deployment_runs_on_a_worker(prefect_server: dict[str, str], t
         state = client.read_flow_run(flow_run.id).state
     assert state.type.value == "COMPLETED", state
     assert_cheap_stages_ran(tmp_path / "out")
+
+
+#: The placed run: the pipeline flow on a "cpu" pool, the stages a GPU host would run on a "gpu" pool.
+PLACED_STAGES = "target,ingest,regenerate,validate,capture,train"
+GPU_STAGES = ("regenerate", "capture", "train")
+
+
+def stage_flow_runs(client) -> list:
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["eaglet-stage"])))
+
+
+@pytest.mark.slow
+def test_placed_stages_run_on_their_work_pool_and_hand_results_through_the_output_dir(
+        prefect_server: dict[str, str], tmp_path: Path, tiny_target_dir: Path, mlflow_uri: str) -> None:
+    """Two process work pools, one worker each: the pipeline flow runs on `cpu`, regenerate/capture/train run as
+    `eaglet-stage` subflow runs on `gpu`, in the gpu worker's processes, logging into the pipeline's MLflow run."""
+    import mlflow
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    tracking = {"tracking_uri": mlflow_uri, "experiment": "placed"}
+    config = write_config(tmp_path, tiny_target_dir, "eaglet-placed", tracking, {name: "gpu" for name in GPU_STAGES})
+    worker_env = {**prefect_server, "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    workers = []
+    with SyncPrefectClient(prefect_server["PREFECT_API_URL"]) as client:
+        for pool in ("cpu", "gpu"):
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        command = [str(BIN / "eaglet"), "deploy", "--config", str(config), "--cron", CRON, "--stages", PLACED_STAGES,
+                   "--work-pool", "cpu"]
+        registered = subprocess.run(command, env=prefect_server, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert registered.returncode == 0, registered.stdout + registered.stderr
+        printed = " ".join(registered.stdout.split())
+        assert "eaglet-stage/eaglet-placed-gpu" in printed and "stages regenerate, capture, train" in printed, printed
+        pipeline_deployment = client.read_deployment_by_name("eaglet-pipeline/eaglet-placed")
+        assert pipeline_deployment.parameters["place_stages"] is True and pipeline_deployment.work_pool_name == "cpu"
+        stage_deployment = client.read_deployment_by_name("eaglet-stage/eaglet-placed-gpu")
+        assert stage_deployment.work_pool_name == "gpu" and stage_deployment.entrypoint == "flows.pipeline.placed_stage"
+        assert not stage_deployment.schedules, "the pipeline's runs start the stage deployment, no schedule of its own"
+        try:
+            for pool in ("cpu", "gpu"):
+                workers.append(start([str(BIN / "prefect"), "worker", "start", "--pool", pool], worker_env,
+                                     tmp_path / f"worker-{pool}.log", tmp_path))
+            flow_run = client.create_flow_run_from_deployment(pipeline_deployment.id)
+            state = wait_for("placed pipeline run", lambda: final_state(client, flow_run.id), 900)
+            logs = "".join((tmp_path / f"worker-{pool}.log").read_text()[-3000:] for pool in ("cpu", "gpu"))
+            assert state.type.value == "COMPLETED", (state, logs)
+            parent = client.read_flow_run(flow_run.id)
+            placed = stage_flow_runs(client)
+            parent_links = {client.read_task_run(run.parent_task_run_id).flow_run_id for run in placed}
+        finally:
+            for worker in workers:
+                stop(worker)
+    assert parent.work_pool_name == "cpu"
+    assert sorted((run.parameters["stage"], run.work_pool_name, run.state.type.value) for run in placed) == [
+        (name, "gpu", "COMPLETED") for name in sorted(GPU_STAGES)]
+    assert parent_links == {flow_run.id}, "each placed stage is a subflow run of the pipeline's run"
+    out = tmp_path / "out"
+    assert (out / "features" / "manifest.json").is_file() and (out / "draft" / "sglang" / "model.safetensors").is_file()
+
+    client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
+    experiment = client.get_experiment_by_name("placed")
+    (run,) = client.search_runs([experiment.experiment_id], "tags.\"eaglet.kind\" = 'pipeline'")
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["train.complete"] == 1 and run.data.metrics["capture.ok"] >= 1, \
+        "the pipeline read the placed stages' records from output_dir"
+    (training,) = client.search_runs([experiment.experiment_id], "tags.\"eaglet.stage\" = 'train'")
+    assert training.data.tags["mlflow.parentRunId"] == run.info.run_id, "the gpu worker's trainer joined the run"
