@@ -17,7 +17,7 @@ from flows.preflight import engine_problems
 from models.target_capture import every_layer_output
 from models.target_heads import load_target_heads
 from models.target_loading import load_target
-from tasks import capture, train
+from tasks import capture, target, train
 from tasks.features import engine_states
 from tasks.features.engine_check import TOLERANCE, verification_sample
 from tasks.features.engine_states import (CAPTURE_URL_VARIABLE, EngineCaptureError, EngineStates, HeadModel,
@@ -81,6 +81,22 @@ def test_vllm_capture_writes_the_shards_local_capture_writes(tmp_path: Path, tin
 
     rerun = capture.run(cfg)
     assert rerun.shards_written == [] and rerun.manifest["producer"]["verify"] == verify, "kept shards keep their producer"
+
+
+@pytest.mark.slow
+def test_vllm_capture_of_the_embedded_smollm2_passes_the_verification(tmp_path: Path) -> None:
+    """The real target (30 layers, tied embeddings): every captured record re-captured in-process."""
+    smollm2 = target.run(RunConfig.model_validate({"output_dir": str(tmp_path / "embedded")})).directory
+    cfg = engine_run(tmp_path / "vllm", smollm2, dtype="float32", verify_fraction=1.0, aux_layer_ids=[1, 14, 26])
+    served = capture.run(cfg)
+    assert served.report.ok == len(TRAIN) + len(EVAL) - len(SKIPPED)
+    producer = served.manifest["producer"]
+    assert producer["engine_layer_ids"] == [2, 15, 27, 30]
+    verify = producer["verify"]
+    assert len(verify["records"]) == served.report.ok
+    slots = {slot["slot"]: slot for slot in verify["slots"]}
+    assert [slots[f"aux {i}"]["expected_layer"] for i in range(3)] == [1, 14, 26]
+    assert all(0.0 <= slot["max_relative_difference"] < TOLERANCE["float32"] for slot in slots.values()), slots
 
 
 @pytest.mark.slow
