@@ -3,8 +3,8 @@
 contract/config.py rejects what no machine could run. These checks need the environment, so they run in
 `eaglet config validate` and when a run is about to start (`eaglet run`, `eaglet stage`, `eaglet train`):
   - the target, once its config is on disk (`model.path` of a local target, else the target stage's
-    `<output_dir>/target.json`): capture.aux_layer_ids within its decoder layers and capture.draft_vocab_size
-    within its vocabulary;
+    `<output_dir>/target.json`): an architecture eaglet supports (models/target_families.py),
+    capture.aux_layer_ids within its decoder layers and capture.draft_vocab_size within its vocabulary;
   - deployment.trainer.nproc_per_node within what torchrun can place here: one rank per visible GPU when the
     trainer runs on CUDA, one process per usable CPU core otherwise;
   - the python of every engine the run starts (regeneration.engine without a base_url, capture.backend vllm,
@@ -24,7 +24,7 @@ from typing import Any, Optional
 from contract.config import ModelConfig, RunConfig
 from tasks.serving.engine import ENV_HINTS, resolve_python
 
-TARGET_FIELDS = "capture.aux_layer_ids, capture.draft_vocab_size"
+TARGET_FIELDS = "the target's architecture, capture.aux_layer_ids, capture.draft_vocab_size"
 
 
 @dataclass
@@ -42,6 +42,7 @@ class TargetDims:
     num_hidden_layers: int
     vocab_size: int
     origin: Path
+    model_type: Optional[str] = None
 
 
 def preflight(cfg: RunConfig) -> Preflight:
@@ -100,14 +101,23 @@ def dims_of(config: dict[str, Any], origin: Path) -> Optional[TargetDims]:
     layers, vocab = config.get("num_hidden_layers"), config.get("vocab_size")
     if not isinstance(layers, int) or not isinstance(vocab, int):
         return None
-    return TargetDims(num_hidden_layers=layers, vocab_size=vocab, origin=origin)
+    model_type = config.get("model_type")
+    return TargetDims(num_hidden_layers=layers, vocab_size=vocab, origin=origin,
+                      model_type=model_type if isinstance(model_type, str) else None)
 
 
 def target_problems(cfg: RunConfig, dims: TargetDims) -> list[str]:
-    """The aux layers (configured, or the defaults) within the target's layers; the draft vocab within its vocab."""
+    """A supported architecture; the aux layers (configured, or the defaults) within the target's layers; the
+    draft vocab within its vocab."""
     from models.target_capture import resolve_aux_layer_ids  # imports torch: only once a target is known
+    from models.target_families import UnsupportedArchitecture, family_of
 
     problems = []
+    if dims.model_type is not None:
+        try:
+            family_of(dims.model_type)
+        except UnsupportedArchitecture as error:
+            problems.append(f"model: {error} (target: {dims.origin})")
     try:
         resolve_aux_layer_ids(cfg.capture.aux_layer_ids, dims.num_hidden_layers)
     except ValueError as error:

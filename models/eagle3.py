@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.target_families import family_of, text_config_of
+
 
 @dataclass
 class Eagle3Config:
@@ -50,8 +52,10 @@ class Eagle3Config:
 
     @classmethod
     def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int]) -> "Eagle3Config":
-        """Copy the Llama fields of an HF target config."""
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        """The draft's fields from an HF target config of any supported family (models/target_families.py): its
+        attention shape, norm epsilon and RoPE (theta and scaling); the MLP is dense, as wide as the family says."""
+        text = text_config_of(target_config)
+        family = family_of(getattr(text, "model_type", None))
         heads = text.num_attention_heads
         rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
         theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
@@ -60,7 +64,7 @@ class Eagle3Config:
             scaling = None
         return cls(
             hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
+            intermediate_size=family.draft_intermediate_size(text),
             num_attention_heads=heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", heads) or heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
@@ -96,11 +100,12 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(config: Eagle3Config) -> torch.Tensor:
-    """Llama RoPE frequencies, with Llama-3's long-context scaling when the target uses it."""
+    """The target's RoPE frequencies: Llama's, with Llama-3's long-context scaling or YaRN (gpt-oss) when the
+    target uses them. YaRN also scales cos/sin: `rope_attention_scaling`."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_kind(config)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -110,16 +115,41 @@ def rope_inverse_frequencies(config: Eagle3Config) -> torch.Tensor:
         scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
         middle = (wavelength <= original / low) & (wavelength >= original / high)
         inv_freq = torch.where(middle, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "yarn":
+        return yarn_parameters(config)[0]
     elif kind not in (None, "default"):
-        raise ValueError(f"rope_type '{kind}' is not supported by the EAGLE3 draft (default and llama3 are)")
+        raise ValueError(f"rope_type '{kind}' is not supported by the EAGLE3 draft (default, llama3 and yarn are)")
     return inv_freq.float()
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE to x [B, heads, T, head_dim] at integer positions [B, T]."""
+def rope_kind(config: Eagle3Config) -> Optional[str]:
+    scaling = config.rope_scaling or {}
+    return scaling.get("rope_type", scaling.get("type"))
+
+
+def yarn_parameters(config: Eagle3Config) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and cos/sin scale, computed by transformers' own RoPE initialiser (the target's code)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    llama = LlamaConfig(hidden_size=config.num_attention_heads * config.head_dim, head_dim=config.head_dim,
+                        num_attention_heads=config.num_attention_heads,
+                        max_position_embeddings=config.max_position_embeddings,
+                        rope_parameters={**(config.rope_scaling or {}), "rope_theta": config.rope_theta})
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS["yarn"](llama, torch.device("cpu"))
+    return inv_freq.float(), float(attention_scaling)
+
+
+def rope_attention_scaling(config: Eagle3Config) -> float:
+    """The factor on cos/sin: 1 except for YaRN."""
+    return yarn_parameters(config)[1] if rope_kind(config) == "yarn" else 1.0
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Apply RoPE to x [B, heads, T, head_dim] at integer positions [B, T] (cos/sin times `scale`)."""
     angles = positions[:, None, :, None].float() * inv_freq[None, None, None, :]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
+    cos = (torch.cat([angles.cos(), angles.cos()], dim=-1) * scale).to(x.dtype)
+    sin = (torch.cat([angles.sin(), angles.sin()], dim=-1) * scale).to(x.dtype)
     half = x.shape[-1] // 2
     rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated_half * sin
@@ -185,6 +215,7 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.rope_scale = rope_attention_scaling(config)
         self.embed_tokens: Optional[nn.Embedding] = None
 
     def attach_embedding(self, weight: torch.Tensor) -> None:
@@ -223,7 +254,8 @@ class Eagle3Draft(nn.Module):
         queries = attention.split_heads(attention.q_proj(x), attention.heads)
         keys = attention.split_heads(attention.k_proj(x), attention.kv_heads)
         values = attention.split_heads(attention.v_proj(x), attention.kv_heads)
-        return StepProjections(rotate(queries, positions, self.inv_freq), rotate(keys, positions, self.inv_freq), values)
+        return StepProjections(rotate(queries, positions, self.inv_freq, self.rope_scale),
+                               rotate(keys, positions, self.inv_freq, self.rope_scale), values)
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """r = g + o_proj(attn); h_out = r + mlp(post_attention_layernorm(r)). attended: [B, heads, T, d]."""

@@ -9,7 +9,8 @@ where h[i] is *the output of decoder layer i* (0-indexed), i.e. HF's `output_hid
 (index 0 there is the embedding output). Note that HF's `output_hidden_states[-1]` is the *normed* final
 state (transformers ties it to `last_hidden_state`), so it is not the raw output of the last layer.
 
-The states are read with forward hooks on `model.model.layers[i]` and `model.model.norm` while the base
+The states are read with forward hooks on the decoder layers and the final norm (`model.model.layers[i]`,
+`model.model.norm` for every supported family: models/target_families.py) while the base
 model runs under no_grad (the lm_head is not applied). Records of different length are batched with right
 padding and an attention mask; the padded rows are cut away again, so what comes back per record is
 exactly what a single-record forward pass gives.
@@ -23,6 +24,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 import torch
+
+from models.target_families import family_of_model, submodule
 
 Tensor = torch.Tensor
 
@@ -61,13 +64,15 @@ def vllm_layer_id(layer_id: int) -> int:
 
 
 def decoder_parts(model: Any) -> tuple[Any, Any, Any]:
-    """(base model, its decoder layers, its final norm) of an HF *ForCausalLM (Llama-style layout)."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    norm = getattr(base, "norm", None)
+    """(base model, its decoder layers, its final norm) of an HF *ForCausalLM, where its family's row in
+    models/target_families.py says they are."""
+    family = family_of_model(model)
+    base = submodule(model, family.layers.rsplit(".", 1)[0])
+    layers = submodule(model, family.layers)
+    norm = submodule(model, family.final_norm)
     if base is None or layers is None or norm is None:
-        raise TypeError(f"{type(model).__name__}: expected a Llama-style causal LM with model.model.layers and "
-                        "model.model.norm; capture hooks cannot be placed")
+        raise TypeError(f"{type(model).__name__} ({family.model_type}): expected {family.layers} and "
+                        f"{family.final_norm}; capture hooks cannot be placed")
     return base, layers, norm
 
 
@@ -115,12 +120,12 @@ def capture_padded(model: Any, input_ids: Tensor, aux_layer_ids: Sequence[int],
 def every_layer_output(model: Any, input_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
     """One record's raw output of every decoder layer, [N, T, H], and the final normed state [T, H]: what an
     engine's states are compared against to tell which layer each of its slots holds."""
-    _, layers, _ = decoder_parts(model)
+    base, layers, _ = decoder_parts(model)
     device = next(model.parameters()).device
     ids = torch.as_tensor(list(input_ids), dtype=torch.long).reshape(1, -1).to(device)
     keys = [*range(len(layers)), "norm"]
     with captured_outputs(model, keys) as captured, torch.no_grad():
-        model.model(input_ids=ids, use_cache=False)
+        base(input_ids=ids, use_cache=False)
     return torch.stack([captured[i][0] for i in range(len(layers))]), captured["norm"][0]
 
 

@@ -1,7 +1,8 @@
 """The only target weights offline training needs: token embedding, lm_head and final norm.
 
 Read by tensor name straight from the target's safetensors, so an 8B target never has to be loaded
-whole to train its drafter offline. A target with tied embeddings uses the embedding as lm_head.
+whole to train its drafter offline; the names are its family's (models/target_families.py). A target with tied
+embeddings uses the embedding as lm_head.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-EMBEDDING = "model.embed_tokens.weight"
-LM_HEAD = "lm_head.weight"
-FINAL_NORM = "model.norm.weight"
+from models.target_families import TargetFamily, family_of
+
 
 
 @dataclass
@@ -44,11 +44,17 @@ def read_tensor(locations: dict[str, Path], name: str) -> torch.Tensor:
         return handle.get_tensor(name).float()
 
 
+def target_family(directory: Path) -> TargetFamily:
+    """The family row of the target saved in `directory` (its config.json's model_type)."""
+    return family_of(json.loads((directory / "config.json").read_text()).get("model_type"))
+
+
 def load_target_heads(directory: Path) -> TargetHeads:
+    family = target_family(directory)
     locations = tensor_locations(directory)
-    missing = [name for name in (EMBEDDING, FINAL_NORM) if name not in locations]
+    missing = [name for name in (family.embedding_weight, family.final_norm_weight) if name not in locations]
     if missing:
-        raise KeyError(f"{directory}: target weights lack {missing}; only Llama-style targets are supported")
-    embedding = read_tensor(locations, EMBEDDING)
-    lm_head = read_tensor(locations, LM_HEAD) if LM_HEAD in locations else embedding
-    return TargetHeads(embedding, lm_head, read_tensor(locations, FINAL_NORM))
+        raise KeyError(f"{directory}: the {family.model_type} target's weights lack {missing}")
+    embedding = read_tensor(locations, family.embedding_weight)
+    lm_head = read_tensor(locations, family.lm_head_weight) if family.lm_head_weight in locations else embedding
+    return TargetHeads(embedding, lm_head, read_tensor(locations, family.final_norm_weight))

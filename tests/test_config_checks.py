@@ -53,6 +53,20 @@ def test_the_default_aux_layers_are_checked_against_the_target(tmp_path: Path, t
     assert "the default aux layers [1, N//2 - 1, N - 4] = [1, 2, 2]" in problem and "set capture.aux_layer_ids" in problem
 
 
+def test_an_unsupported_architecture_fails_config_validate_naming_it_and_the_supported_list(tmp_path: Path,
+                                                                                             tiny_target_dir: Path) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    config = json.loads((tiny_target_dir / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**config, "model_type": "falcon", "architectures": ["FalconForCausalLM"]}))
+    result = CliRunner().invoke(app, ["config", "validate", f"output_dir={tmp_path / 'out'}", "model.source=local",
+                                      f"model.path={foreign}", *GOOD_CAPTURE])
+    assert result.exit_code == 2, result.output
+    output = " ".join(result.output.split())
+    assert "target architecture (model_type) 'falcon' is not supported" in output
+    assert "llama, qwen2, qwen3, qwen3_moe, gpt_oss" in output and str(foreign / "config.json") in output
+
+
 def materialise(out: Path, **info: object) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "target.json").write_text(json.dumps(info))
@@ -63,7 +77,7 @@ def test_a_materialised_target_is_checked_and_a_missing_one_is_not_yet(tmp_path:
     embedded = load_config(None, [f"output_dir={out}", "capture.draft_vocab_size=8192"])
     absent = preflight(embedded)
     assert absent.problems == []
-    assert absent.not_checked == [f"capture.aux_layer_ids, capture.draft_vocab_size: target not materialised "
+    assert absent.not_checked == [f"the target's architecture, capture.aux_layer_ids, capture.draft_vocab_size: target not materialised "
                                   f"(no {out / 'target.json'} for this model)"]
     materialise(out, source="embedded", id=embedded.model.id, num_hidden_layers=30, vocab_size=4096)
     checked = preflight(embedded)
@@ -157,7 +171,7 @@ def test_stage_and_run_refuse_before_any_stage_runs(tmp_path: Path, tiny_target_
 def test_config_validate_says_what_it_could_not_check_yet(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["config", "validate", f"output_dir={tmp_path}"])
     assert result.exit_code == 0, result.output
-    assert "not checked yet: capture.aux_layer_ids, capture.draft_vocab_size: target not materialised" in result.output
+    assert "not checked yet: the target's architecture, capture.aux_layer_ids, capture.draft_vocab_size: target not materialised" in result.output
     assert "ok: <defaults> is a valid run config" in result.output
 
 

@@ -42,6 +42,7 @@ class TargetInfo(BaseModel):
     revision: str
     converter_version: str
     architecture: str
+    model_type: str | None = None  # the family row (models/target_families.py); absent in older target.json
     num_hidden_layers: int
     hidden_size: int
     vocab_size: int
@@ -86,6 +87,7 @@ def describe_target(directory: Path, model: ModelConfig, revision: str) -> Targe
         revision=revision,
         converter_version=CONVERTER_VERSION,
         architecture=(config.architectures or ["unknown"])[0],
+        model_type=getattr(text_config, "model_type", None),
         num_hidden_layers=text_config.num_hidden_layers,
         hidden_size=text_config.hidden_size,
         vocab_size=text_config.vocab_size,

@@ -1,0 +1,140 @@
+"""Every supported target family end to end on real engines: a tiny random target of each (tests/tiny_families.py)
+goes through target -> capture -> train -> export -> evaluate; vLLM's CPU build serves it with and without the
+drafter (greedy outputs equal, speculative counters move, engine acceptance within registry.engine_tolerance of
+our offline decoder's); SGLang's own loader fills every parameter of each export; each draft config carries the
+family's attention shape, RoPE and norm epsilon, with a dense MLP.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contract.config import RunConfig
+from models.target_families import FAMILIES
+from tasks.serving.engine import free_port
+from test_sglang_loader import run_probe
+from tiny_families import FAMILY_FIELDS, build_family_target
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_family_in_the_table_has_a_tiny_target() -> None:
+    assert set(FAMILY_FIELDS) == set(FAMILIES)
+
+
+def family_config(root: Path, model_dir: Path) -> RunConfig:
+    """The benchmark test's drafted run (tests/test_benchmark.py) on another family's target."""
+    return RunConfig.model_validate({
+        "output_dir": str(root / "run"), "model": {"source": "local", "path": str(model_dir)},
+        "capture": {"aux_layer_ids": [1, 2, 3], "dtype": "float32", "draft_vocab_size": 128},
+        "training": {"ttt_length": 3, "learning_rate": 3e-3, "tokens_per_step": 64, "epochs": 8, "warmup_ratio": 0.1,
+                     "save_interval": 1000, "eval_interval": 1000},
+        "evaluation": {"steps": 3, "max_new_tokens": 16},
+        "benchmark": {"engines": ["vllm"], "concurrency": [1], "num_requests": 4, "max_tokens": 16},
+        "runtime": {"engines": {"vllm": {"python": str(VLLM_PYTHON), "port": free_port(),
+                                         "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}},
+        "tracking": {"enabled": False},
+    })
+
+
+def drafted_family_run(root: Path, model_type: str) -> RunConfig:
+    """target, data (the target's own greedy answers), capture, train and evaluate for one family."""
+    from tasks import capture, evaluate, target, train
+    from training_run import QUESTIONS, greedy_answers, record, whole_word_target, write_records
+
+    source = build_family_target(model_type, root / "random")
+    cfg = family_config(root, whole_word_target(source, root / "target-source"))
+    target.run(cfg)
+    answers = greedy_answers(cfg.output_path / "target", QUESTIONS, max_new_tokens=24)
+    rows = [record(index, question, answer) for index, (question, answer) in enumerate(zip(QUESTIONS, answers))]
+    write_records(cfg.output_path / "data" / "train.jsonl", rows)
+    write_records(cfg.output_path / "data" / "eval.jsonl", rows)
+    capture.run(cfg)
+    train.run(cfg)
+    evaluate.run(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunConfig]:
+    """Each family's drafted run, built on first use and shared by the tests below."""
+    built: dict[str, RunConfig] = {}
+    root = tmp_path_factory.mktemp("families")
+
+    class Runs(dict):
+        def __missing__(self, model_type: str) -> RunConfig:
+            built[model_type] = drafted_family_run(root / model_type, model_type)
+            self[model_type] = built[model_type]
+            return built[model_type]
+
+    return Runs()
+
+
+def exported_config(cfg: RunConfig, engine: str) -> dict[str, Any]:
+    return json.loads((cfg.output_path / "draft" / engine / "config.json").read_text())
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_the_draft_config_is_derived_from_the_family_target(family_runs: dict[str, RunConfig], model_type: str) -> None:
+    from transformers import AutoConfig
+
+    cfg = family_runs[model_type]
+    target = AutoConfig.from_pretrained(cfg.output_path / "target").get_text_config()
+    rope = dict(target.rope_parameters)
+    for engine in ("vllm", "sglang"):
+        draft = exported_config(cfg, engine)
+        assert draft["architectures"] == ["LlamaForCausalLMEagle3"] and draft["num_hidden_layers"] == 1
+        assert draft["head_dim"] == (getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads)
+        assert (draft["num_attention_heads"], draft["num_key_value_heads"]) == (target.num_attention_heads,
+                                                                               target.num_key_value_heads)
+        assert draft["rms_norm_eps"] == target.rms_norm_eps
+        assert draft["rope_theta"] == rope["rope_theta"]
+        scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+        assert draft.get("rope_scaling") == (scaling if scaling.get("rope_type", "default") != "default" else None)
+        assert not any("expert" in key for key in draft), "the draft's MLP is dense"
+    width = exported_config(cfg, "vllm")["intermediate_size"]
+    if model_type == "qwen3_moe":
+        assert width == target.num_experts_per_tok * target.moe_intermediate_size
+    elif model_type == "gpt_oss":
+        assert width == target.num_experts_per_tok * target.intermediate_size
+    else:
+        assert width == target.intermediate_size
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_vllm_serves_the_family_target_with_its_drafter_faithfully(family_runs: dict[str, RunConfig],
+                                                                   model_type: str) -> None:
+    if not VLLM_PYTHON.is_file():
+        pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
+    from tasks import benchmark
+
+    cfg = family_runs[model_type]
+    offline = json.loads((cfg.output_path / "evaluate" / "acceptance.json").read_text())["chain"]["mean_accept_length"]
+    report = benchmark.run(cfg).report
+    vllm = report["engines"]["vllm"]
+    assert vllm["greedy"]["status"] == "ok" and vllm["greedy"]["mismatches"] == [], vllm["greedy"]
+    window = vllm["eagle3"]["speculative"]["window"]
+    assert window["drafts"] > 0 and window["draft_tokens"] == 3 * window["drafts"], "the engine drafted"
+    check = vllm["acceptance_check"]
+    assert check["status"] == "ok", check
+    assert check["offline_mean_accept_length"] == offline
+    print(f"\n{model_type}: engine accept length {vllm['eagle3']['speculative']['mean_accept_length']:.3f}, "
+          f"offline {offline:.3f}, per position {vllm['eagle3']['speculative']['acceptance_rate_per_position']}")
+
+
+def test_sglangs_loader_fills_every_parameter_of_every_family_export(family_runs: dict[str, RunConfig]) -> None:
+    exports = [family_runs[model_type].output_path / "draft" / "sglang" for model_type in FAMILIES]
+    for model_type, report in zip(FAMILIES, run_probe(*exports)):
+        assert report["problems"] == [], (model_type, report["problems"])
+        assert report["model_class"] == "sglang.srt.models.llama_eagle3.LlamaForCausalLMEagle3"
+        for name, entry in report["parameters"].items():
+            if "from_target" not in entry:
+                assert entry["nan_left"] == 0 and entry["equal"], (model_type, name, entry)
+        assert report["aux_layers"]["sglang_captures_outputs_of"] == [1, 2, 3], model_type
