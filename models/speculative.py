@@ -41,6 +41,20 @@ from models.target_capture import captured_outputs, decoder_parts, resolve_aux_l
 Tensor = torch.Tensor
 
 
+def sliding_window_of(config: Any) -> Optional[int]:
+    """The window of a target whose layer types include sliding attention; None when every layer sees all."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or []
+    window = getattr(text, "sliding_window", None)
+    return int(window) if window and "sliding_attention" in layer_types else None
+
+
+def on_device(mask: Tensor | dict[str, Tensor], device: torch.device) -> Tensor | dict[str, Tensor]:
+    if isinstance(mask, dict):
+        return {kind: value.to(device) for kind, value in mask.items()}
+    return mask.to(device)
+
+
 class TargetState:
     """The target model and its KV cache for one sequence; every forward goes through `forward`."""
 
@@ -52,7 +66,9 @@ class TargetState:
             raise ValueError(f"attention '{implementation}' ignores custom 4D masks; load the target with sdpa or eager")
         self.model = model
         self.aux_layer_ids = list(aux_layer_ids)
-        self.cache = DynamicCache(config=model.config)
+        self.sliding_window = sliding_window_of(model.config)
+        # Every layer cached whole (a sliding layer's cache would drop keys that `keep` indexes by position).
+        self.cache = DynamicCache() if self.sliding_window is not None else DynamicCache(config=model.config)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
 
@@ -67,18 +83,26 @@ class TargetState:
         with captured_outputs(self.model, self.aux_layer_ids) as captured:
             output = self.model(
                 input_ids=torch.tensor([list(tokens)], device=self.device),
-                attention_mask=self.attention_mask(visible).to(self.device),
+                attention_mask=on_device(self.attention_mask(visible, positions), self.device),
                 position_ids=positions[None].to(self.device),
                 cache=self.cache, use_cache=True,
             )
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)[0] if self.aux_layer_ids else None
         return output.logits[0].float(), aux
 
-    def attention_mask(self, visible: Tensor) -> Tensor:
+    def attention_mask(self, visible: Tensor, positions: Tensor) -> Tensor | dict[str, Tensor]:
         """The additive 4D mask [1, 1, q, prefix + q]: every new token sees the cached prefix, and `visible` among
-        the new tokens."""
+        the new tokens. A target with sliding-window layers (gpt-oss) gets one mask per layer type, the sliding
+        one also hiding keys `sliding_window` or more positions back (the cache keeps every layer whole)."""
         prefix = torch.ones(visible.shape[0], self.length, dtype=torch.bool)
         allowed = torch.cat([prefix, visible.cpu()], dim=1)
+        if self.sliding_window is None:
+            return self.additive(allowed)
+        key_positions = torch.cat([torch.arange(self.length), positions.cpu()])
+        near = positions.cpu()[:, None] - key_positions[None, :] < self.sliding_window
+        return {"full_attention": self.additive(allowed), "sliding_attention": self.additive(allowed & near)}
+
+    def additive(self, allowed: Tensor) -> Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
         return mask[None, None]
 

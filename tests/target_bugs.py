@@ -31,8 +31,8 @@ def hide_first_cached_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tokens after the prefill no longer see the first token's key: a prefix-mask bug."""
     attention_mask = TargetState.attention_mask
 
-    def without_first_key(self: TargetState, visible: torch.Tensor) -> torch.Tensor:
-        mask = attention_mask(self, visible)
+    def without_first_key(self: TargetState, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask(self, visible, positions)
         if self.length:
             mask[..., 0] = torch.finfo(mask.dtype).min
         return mask

@@ -109,6 +109,15 @@ class ScriptedServer:
                     self.end_headers()
                     self.wfile.write(b"boom")
                     return
+                if prompt == "fail-in-stream":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.event({"error": {"message": "Token id 200008 is out of vocabulary", "code": 400}})
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    self.wfile.flush()
+                    return
                 with scripted.lock:
                     scripted.in_flight += 1
                     scripted.max_in_flight = max(scripted.max_in_flight, scripted.in_flight)
@@ -189,6 +198,8 @@ def test_without_usage_tokens_are_counted_as_chunks_and_failures_are_results(scr
     assert plain.ok and plain.output_tokens == 4 and not plain.usage_reported
     failed = asyncio.run(one_request(scripted.base_url, request(1, "fail")))
     assert not failed.ok and failed.error.startswith("HTTP 500") and failed.latency_s is None
+    in_stream = asyncio.run(one_request(scripted.base_url, request(2, "fail-in-stream")))
+    assert in_stream.error == "error in the stream: Token id 200008 is out of vocabulary", "not 0 tokens and ok"
 
 
 def test_a_level_keeps_at_most_concurrency_requests_in_flight(scripted: ScriptedServer) -> None:

@@ -152,6 +152,13 @@ class StreamTimer:
             self.result.output_tokens = self.result.content_chunks
 
 
+def stream_error(error: Any) -> str:
+    """The message of an OpenAI-style error object (vLLM and SGLang send `{"error": {"message": ...}}`)."""
+    if isinstance(error, dict):
+        return str(error.get("message") or error)[:300]
+    return str(error)[:300]
+
+
 async def stream_chat(client: httpx.AsyncClient, base_url: str, model: str, request: ChatRequest,
                       sampling: Sampling) -> RequestResult:
     """Send one streaming chat completion and time it; a failure becomes `error`, never an exception."""
@@ -170,7 +177,11 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, model: str, requ
                     continue
                 if data == "[DONE]":
                     break
-                timer.on_chunk(json.loads(data))
+                chunk = json.loads(data)
+                if "error" in chunk:  # a server that failed after its 200 reports it inside the stream
+                    result.error = f"error in the stream: {stream_error(chunk['error'])}"
+                    return result
+                timer.on_chunk(chunk)
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         result.error = f"{type(error).__name__}: {error}"
         return result
