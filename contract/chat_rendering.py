@@ -15,7 +15,7 @@ The tokenizer is passed in (duck-typed, an HF tokenizer); this module imports no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Literal, Sequence
+from typing import Any, Collection, Literal, Mapping, Sequence
 
 from contract.records import Message, PromptRecord
 
@@ -68,10 +68,27 @@ def template_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
     return [{"role": message.role, "content": template_content(message)} for message in messages]
 
 
+#: The attribute a loaded tokenizer carries `model.chat_template_kwargs` in (`bind_template_kwargs`), so every
+#: rendering of a run passes the same template variables without each caller threading them through.
+TEMPLATE_KWARGS_ATTRIBUTE = "eaglet_chat_template_kwargs"
+
+
+def bind_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any]) -> Any:
+    """The tokenizer, from now on rendered with `kwargs` as extra chat-template variables."""
+    setattr(tokenizer, TEMPLATE_KWARGS_ATTRIBUTE, dict(kwargs))
+    return tokenizer
+
+
+def template_kwargs(tokenizer: Any) -> dict[str, Any]:
+    """The chat-template variables bound to this tokenizer (none unless `bind_template_kwargs` was called)."""
+    return dict(getattr(tokenizer, TEMPLATE_KWARGS_ATTRIBUTE, None) or {})
+
+
 def render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
-    """The chat template applied to `messages`, as text."""
+    """The chat template applied to `messages`, as text, with the tokenizer's bound template variables."""
     return tokenizer.apply_chat_template(
-        template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+        **template_kwargs(tokenizer),
     )
 
 

@@ -27,6 +27,8 @@ class CheckpointContract(BaseModel):
     chat_template: Optional[str] = None
     reasoning_mode: str = "off"
     reasoning_parser: str = "think-tags"
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="the template variables training "
+                                                 "rendered with; serve with the same (chat_template_kwargs)")
     draft_config: dict[str, Any]
     aux_layer_ids: list[int]
     aux_convention: str = AUX_CONVENTION

@@ -47,6 +47,11 @@ class ModelConfig(Section):
     revision: Optional[str] = None
     trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra variables of the target's chat template, as serving passes them "
+        "(e.g. enable_thinking: false for a Qwen3 served without thinking): every rendering eaglet does uses them, "
+        "requests to OpenAI-compatible servers carry them as chat_template_kwargs, and the drafter's contract "
+        "records them")
 
     @model_validator(mode="after")
     def _source_needs_its_field(self) -> "ModelConfig":

@@ -7,7 +7,7 @@ slot for the target to write (MT-bench, HumanEval and chitchat only give the use
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -48,6 +48,7 @@ class GenerationParams(Record):
     max_new_tokens: int
     seed: int
     reasoning: str
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     stop_tokens: list[str]
     turns: list[TurnGeneration] = Field(default_factory=list)
 

@@ -24,6 +24,7 @@ from contract.chat_rendering import (
     is_supervised,
     render,
     render_record,
+    template_kwargs,
     tokenize_with_mask,
     unfinished_turns,
 )
@@ -159,6 +160,13 @@ def _template_columns(derived: DerivedRecord, record: PromptRecord, tokenizer: A
     details["template_hash"] = (
         f"generation.template_hash {_short(recorded)} != target chat_template_hash {_short(settings.chat_template_hash)}"
     )
+    rendered_with = template_kwargs(tokenizer)
+    if record.generation is not None and record.generation.chat_template_kwargs != rendered_with:
+        generated_with = json.dumps(record.generation.chat_template_kwargs, sort_keys=True)
+        columns["template_hash"] = f"<chat_template_kwargs {generated_with}>"
+        details["template_hash"] = (f"generated with chat_template_kwargs {generated_with}, but this run renders with "
+                                    f"model.chat_template_kwargs {json.dumps(rendered_with, sort_keys=True)}: the "
+                                    "target saw other prompts than training would render")
     columns["cut_turns"] = len(unfinished_turns(record))
     details["cut_turns"] = (f"{columns['cut_turns']} assistant turn(s) cut at regeneration.max_new_tokens "
                             f"(validation.cut_turns: {settings.cut_turns})")

@@ -124,7 +124,8 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     records = select_records(out / "data" / "eval.jsonl", cfg.evaluation.max_prompts, cfg.evaluation.sources)
     requests = build_requests(records, settings.num_requests)
     steps = cfg.evaluation.steps  # the offline evaluation's chain length: both measure the same drafting
-    sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens)
+    sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens,
+                        chat_template_kwargs=dict(cfg.model.chat_template_kwargs))
 
     engines: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []

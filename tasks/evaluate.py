@@ -196,7 +196,7 @@ def run(cfg: RunConfig) -> EvaluationResult:
 
     out = cfg.output_path
     settings = cfg.evaluation
-    tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(out / "target", cfg.model)
     target = load_target_model(cfg, out / "target")
     target.eval()
     draft = load_drafter(cfg, target)

@@ -166,6 +166,7 @@ def generation_params(cfg: RunConfig, target_info: dict[str, Any]) -> Generation
         max_new_tokens=settings.max_new_tokens,
         seed=settings.seed,
         reasoning=settings.reasoning,
+        chat_template_kwargs=dict(cfg.model.chat_template_kwargs),
         stop_tokens=[target_info["eos_token"]] if target_info.get("eos_token") else [],
     )
 
@@ -194,15 +195,16 @@ def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
     if settings.backend == "local":
         from tasks.data.generation_local import LocalGenerator
 
-        return LocalGenerator(target_dir, settings, cfg.model.dtype)
+        return LocalGenerator(target_dir, settings, cfg.model.dtype, cfg.model.chat_template_kwargs)
     from tasks.data.generation_openai import OpenAIGenerator
 
     if settings.base_url is not None:
-        return OpenAIGenerator(settings.endpoints, settings)
+        return OpenAIGenerator(settings.endpoints, settings, template_kwargs=cfg.model.chat_template_kwargs)
     from tasks.serving.engine import serve
 
     log_path = cfg.output_path / "logs" / f"regenerate-{settings.engine}.log"
-    return OpenAIGenerator(stack.enter_context(serve(regeneration_launch(cfg, log_path))).base_url, settings)
+    return OpenAIGenerator(stack.enter_context(serve(regeneration_launch(cfg, log_path))).base_url, settings,
+                           template_kwargs=cfg.model.chat_template_kwargs)
 
 
 def regeneration_launch(cfg: RunConfig, log_path: Path):

@@ -141,7 +141,7 @@ def run(cfg: RunConfig) -> ValidateResult:
         raise FileNotFoundError(f"{source}: no regenerated records; run the regenerate stage first")
     upstream = read_upstream_reports(data_dir)
     target_info = read_target_info(out)
-    tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(out / "target", cfg.model)
 
     lines = jsonl_lines(source.read_text(encoding="utf-8"))
     settings = CheckSettings(cfg.validation.max_length, cfg.regeneration.reasoning, target_info.chat_template_hash,

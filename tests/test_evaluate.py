@@ -64,7 +64,7 @@ def untrained_report(trained_run, tmp_path_factory: pytest.TempPathFactory) -> d
 def test_every_supervised_turn_is_a_prompt(trained_run) -> None:
     from tasks.common.target_info import load_tokenizer
 
-    tokenizer = load_tokenizer(trained_run.output_path / "target", False)
+    tokenizer = load_tokenizer(trained_run.output_path / "target", trained_run.model)
     prompts = evaluate.eval_prompts(trained_run.output_path / "data" / "eval.jsonl", tokenizer, 256, None)
     two_turns = [prompt for prompt in prompts if prompt.id == "mtbench:81"]
     assert [prompt.turn for prompt in two_turns] == [1, 2]

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from contract.chat_rendering import bind_template_kwargs
 from contract.config import ModelConfig, RunConfig
 from contract.hashing import hash_files, hash_text
 from tasks.common.artifacts import read_json
@@ -109,10 +110,12 @@ def read_target_info(out: Path) -> TargetInfo:
     return TargetInfo.model_validate(read_json(path))
 
 
-def load_tokenizer(directory: Path, trust_remote_code: bool) -> Any:
+def load_tokenizer(directory: Path, model: ModelConfig) -> Any:
+    """The target's tokenizer as a run renders with it: `model.chat_template_kwargs` bound to its chat template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=model.trust_remote_code)
+    return bind_template_kwargs(tokenizer, model.chat_template_kwargs)
 
 
 def pad_token_id(tokenizer: Any) -> int:

@@ -7,6 +7,7 @@ prompt length so a batch pads little, and each batch is one `generate` call.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
@@ -18,10 +19,12 @@ class LocalGenerator:
     backend = "local"
     streams_records = False
 
-    def __init__(self, target_dir: Path, settings: RegenerationConfig, dtype: str = "float32") -> None:
+    def __init__(self, target_dir: Path, settings: RegenerationConfig, dtype: str = "float32",
+                 template_kwargs: Mapping[str, Any] | None = None) -> None:
         from models.target_loading import load_target
 
         self.model, self.tokenizer = load_target(target_dir, dtype)
+        self.template_kwargs = dict(template_kwargs or {})
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -41,7 +44,8 @@ class LocalGenerator:
         return [replies[id(request)] for request in requests]
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        encoded = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True, **self.template_kwargs)
         return list(encoded["input_ids"])
 
     def generate_batch(self, batch: list[GenerationRequest], prompts: list[list[int]]) -> list[GenerationReply]:

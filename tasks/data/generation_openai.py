@@ -30,9 +30,11 @@ class OpenAIGenerator:
     backend = "openai"
     streams_records = True
 
-    def __init__(self, base_urls: str | list[str], settings: RegenerationConfig, model: Optional[str] = None) -> None:
+    def __init__(self, base_urls: str | list[str], settings: RegenerationConfig, model: Optional[str] = None,
+                 template_kwargs: Optional[dict[str, Any]] = None) -> None:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         self.settings = settings
+        self.template_kwargs = dict(template_kwargs or {})
         self.rng = random.Random(settings.seed)
         self.pool = EndpointPool([server_access(url, settings) for url in urls], settings.concurrency,
                                  self.backoff_seconds)
@@ -91,6 +93,7 @@ class OpenAIGenerator:
             "temperature": self.settings.temperature,
             "top_p": self.settings.top_p,
             "seed": request.seed,
+            **({"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {}),
         }
 
     async def generate_one(self, client: httpx.AsyncClient, request: GenerationRequest) -> GenerationReply:

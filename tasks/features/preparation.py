@@ -57,7 +57,7 @@ def prepare_inputs(cfg: RunConfig) -> CaptureInputs:
     """Tokenise `<output_dir>/data/{train,eval}.jsonl` and write `vocab/vocab_mapping.safetensors`."""
     out = cfg.output_path
     info = read_target_info(out)
-    tokenizer = load_tokenizer(out / "target", cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(out / "target", cfg.model)
     aux_ids = resolve_aux_layer_ids(cfg.capture.aux_layer_ids, info.num_hidden_layers)
     samples: dict[str, list[Sample]] = {}
     outcomes: list[Outcome] = []

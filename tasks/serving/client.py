@@ -43,10 +43,12 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling settings shared by every request of a benchmark."""
+    """Sampling settings shared by every request of a benchmark, and the chat-template variables the engine renders
+    the messages with (`model.chat_template_kwargs`: what training rendered)."""
 
     temperature: float
     max_tokens: int
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,6 +93,7 @@ def chat_payload(model: str, request: ChatRequest, sampling: Sampling) -> dict[s
         "max_tokens": sampling.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **({"chat_template_kwargs": sampling.chat_template_kwargs} if sampling.chat_template_kwargs else {}),
     }
 
 
