@@ -26,10 +26,17 @@ THINK_CLOSE = "</think>"
 CutTurns = Literal["no_end", "as_finished", "drop"]
 #: The finish reason of a generation stopped by the token budget (OpenAI API and our local backend).
 CUT_FINISH_REASON = "length"
+#: What an expanded record's samples append to its id and key: `#turn<i>`, i the turn's index in `messages`.
+TURN_SUFFIX = "#turn"
 
 
 class TemplateError(ValueError):
     """The chat template does not render this conversation consistently; the message says where."""
+
+
+class HistoryRewritten(TemplateError):
+    """The template renders an earlier turn differently once later turns follow (`render_samples` expands such a
+    record per turn)."""
 
 
 @dataclass
@@ -108,6 +115,42 @@ def render_record(tokenizer: Any, record: PromptRecord, cut_turns: CutTurns) -> 
     return render_with_spans(tokenizer, record.messages, unfinished)
 
 
+@dataclass
+class TurnSample:
+    """One training sample of a record: the whole record (`suffix` ""), or one turn of an expanded record
+    (`suffix` "#turn<i>", i its index in `messages`)."""
+
+    suffix: str
+    rendered: RenderedConversation
+
+
+def turn_messages(messages: Sequence[Message], index: int) -> list[Message]:
+    """The conversation through turn `index`, with only that turn supervised (the history as the template renders
+    it: earlier assistant turns keep their text and the template decides what of their reasoning it shows)."""
+    return [message if position == index or not is_supervised(message)
+            else message.model_copy(update={"supervised": False})
+            for position, message in enumerate(messages[: index + 1])]
+
+
+def render_samples(tokenizer: Any, record: PromptRecord, cut_turns: CutTurns) -> list[TurnSample]:
+    """The samples a record trains as: itself, or, when its template renders an earlier turn differently once later
+    turns follow (reasoning templates such as Qwen3's drop earlier turns' reasoning and think blocks from the
+    history), one sample per supervised turn: the conversation through that turn, as the target saw it then."""
+    try:
+        return [TurnSample("", render_record(tokenizer, record, cut_turns))]
+    except HistoryRewritten:
+        if sum(1 for message in record.messages if is_supervised(message)) < 2:
+            raise
+    unfinished = unfinished_turns(record) if cut_turns == "no_end" else frozenset()
+    samples = []
+    for index, message in enumerate(record.messages):
+        if is_supervised(message):
+            cut = [index] if index in unfinished else []
+            rendered = render_with_spans(tokenizer, turn_messages(record.messages, index), cut)
+            samples.append(TurnSample(f"{TURN_SUFFIX}{index}", rendered))
+    return samples
+
+
 def render_with_spans(tokenizer: Any, messages: Sequence[Message], unfinished: Collection[int] = ()) -> RenderedConversation:
     """Render a conversation and locate every supervised assistant turn in the text (a turn in `unfinished`
     spans its content only, not the end-of-turn marker after it)."""
@@ -119,7 +162,7 @@ def render_with_spans(tokenizer: Any, messages: Sequence[Message], unfinished: C
         prefix = render(tokenizer, messages[:index], add_generation_prompt=True)
         through = render(tokenizer, messages[: index + 1])
         if not through.startswith(prefix) or not full.startswith(through):
-            raise TemplateError(f"turn {index}: the template does not render earlier turns as a prefix of later ones")
+            raise HistoryRewritten(f"turn {index}: the template does not render earlier turns as a prefix of later ones")
         content = template_content(message)
         if not through[len(prefix):].startswith(content):
             raise TemplateError(f"turn {index}: the template changes the assistant content while rendering it")

@@ -23,7 +23,7 @@ from contract.chat_rendering import (
     TemplateError,
     is_supervised,
     render,
-    render_record,
+    render_samples,
     template_kwargs,
     tokenize_with_mask,
     unfinished_turns,
@@ -44,6 +44,7 @@ COLUMNS = (
     "tokens_roundtrip",
     "supervised_tokens",
     "cut_turns",
+    "turn_samples",
 )
 UNSUPERVISED_ASSISTANT = "assistant-unsupervised"
 MISSING_HASH = "<missing>"
@@ -171,10 +172,11 @@ def _template_columns(derived: DerivedRecord, record: PromptRecord, tokenizer: A
     details["cut_turns"] = (f"{columns['cut_turns']} assistant turn(s) cut at regeneration.max_new_tokens "
                             f"(validation.cut_turns: {settings.cut_turns})")
     try:
-        rendered = render_record(tokenizer, record, settings.cut_turns)
+        turns = render_samples(tokenizer, record, settings.cut_turns)
+        samples = [turn.rendered for turn in turns]
         if record.text is not None:
             derived.first_prompt = markers.first_user_prompt(record.text)
-            columns["assistant_targets"] = tuple(markers.target_text(record.text, span) for span in rendered.spans)
+            columns["assistant_targets"] = tuple(markers.target_text(record.text, span) for span in samples[0].spans)
             details["assistant_targets"] = "a pre-templated assistant turn is empty or whitespace-only"
     except Exception as error:  # a jinja error from the template is as much a render failure as TemplateError
         columns["template_renders"] = False
@@ -182,24 +184,34 @@ def _template_columns(derived: DerivedRecord, record: PromptRecord, tokenizer: A
         details["template_renders"] = f"the chat template does not render it: {kind}{error}"
         return
     columns["template_renders"] = True
-    _token_columns(derived, rendered, tokenizer, settings)
+    columns["turn_samples"] = len(turns) if turns[0].suffix else 0
+    _token_columns(derived, samples, tokenizer, settings)
 
 
-def _token_columns(derived: DerivedRecord, rendered: RenderedConversation, tokenizer: Any, settings: CheckSettings) -> None:
+def _token_columns(derived: DerivedRecord, samples: list[RenderedConversation], tokenizer: Any,
+                   settings: CheckSettings) -> None:
+    """Over the record's samples (one, or one per turn of an expanded record): ids that decode back to the text,
+    and the supervised tokens left within validation.max_length."""
     columns, details = derived.columns, derived.details
-    full = tokenize_with_mask(tokenizer, rendered, max_length=1 << 62)
-    decoded = tokenizer.decode(full.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    columns["tokens_roundtrip"] = decoded == rendered.text
-    if not columns["tokens_roundtrip"]:
-        at = next((i for i, (a, b) in enumerate(zip(decoded, rendered.text)) if a != b), min(len(decoded), len(rendered.text)))
-        details["tokens_roundtrip"] = (
-            f"decoding its {len(full.input_ids)} token ids does not give back the rendered text "
-            f"(first difference at character {at})"
-        )
-    columns["supervised_tokens"] = sum(full.loss_mask[: settings.max_length])
+    columns["tokens_roundtrip"], kept, tokens, supervised = True, 0, 0, 0
+    for rendered in samples:
+        full = tokenize_with_mask(tokenizer, rendered, max_length=1 << 62)
+        decoded = tokenizer.decode(full.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if decoded != rendered.text and columns["tokens_roundtrip"]:
+            columns["tokens_roundtrip"] = False
+            at = next((i for i, (a, b) in enumerate(zip(decoded, rendered.text)) if a != b),
+                      min(len(decoded), len(rendered.text)))
+            details["tokens_roundtrip"] = (
+                f"decoding its {len(full.input_ids)} token ids does not give back the rendered text "
+                f"(first difference at character {at})"
+            )
+        kept += sum(full.loss_mask[: settings.max_length])
+        tokens += len(full.input_ids)
+        supervised += full.supervised_tokens
+    columns["supervised_tokens"] = kept
     details["supervised_tokens"] = (
-        f"{columns['supervised_tokens']} supervised token(s) left after truncation to validation.max_length "
-        f"{settings.max_length} (the record has {len(full.input_ids)} tokens, {full.supervised_tokens} supervised)"
+        f"{kept} supervised token(s) left after truncation to validation.max_length "
+        f"{settings.max_length} (the record has {tokens} tokens, {supervised} supervised)"
     )
 
 

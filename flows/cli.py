@@ -217,8 +217,7 @@ def inspect(
     features: bool = typer.Option(False, "--features", help="Add the captured feature row and the teacher's token."),
 ) -> None:
     """Print one record after templating: position | token id | token | loss_mask (| feature row | teacher)."""
-    from transformers import AutoTokenizer
-
+    from tasks.common.target_info import load_tokenizer
     from tasks.features.inspector import find_record, inspection_rows
 
     cfg = load_or_exit(config, overrides)
@@ -228,8 +227,8 @@ def inspect(
     except KeyError as error:
         console.print(f"[red]{error.args[0]}[/red]")
         raise typer.Exit(code=2) from None
-    tokenizer = AutoTokenizer.from_pretrained(cfg.output_path / "target")
-    rows = inspection_rows(tokenizer, record, cfg.validation.max_length, cfg.validation.cut_turns)
+    tokenizer = load_tokenizer(cfg.output_path / "target", cfg.model)
+    rows = inspection_rows(tokenizer, record, cfg.validation.max_length, cfg.validation.cut_turns, sample_id)
     table = Table(title=f"{sample_id} ({path.name})")
     columns = ["position", "token id", "token", "loss_mask"]
     if captured is not None:

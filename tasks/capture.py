@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from contract.chat_rendering import TURN_SUFFIX
 from contract.config import RunConfig
-from contract.records import StageReport
+from contract.records import Outcome, StageReport
 from tasks.common.artifacts import write_json
 from tasks.common.progress import advance, progress_bar
 from tasks.common.target_info import load_target_model, pad_token_id
@@ -90,6 +91,13 @@ def opened_source(cfg: RunConfig, inputs: CaptureInputs,
                 "engine_layer_ids": layer_ids, "layer_id_convention": LAYER_CONVENTION})
 
 
+def turn_expansion_counts(outcomes: list[Outcome]) -> dict[str, float]:
+    """Multi-turn reasoning records expanded into one sample per turn: how many, and the samples they became."""
+    expanded = [outcome.key for outcome in outcomes if TURN_SUFFIX in outcome.key]
+    records = {key.split(TURN_SUFFIX)[0] for key in expanded}
+    return {"records_expanded_per_turn": float(len(records)), "turn_samples": float(len(expanded))}
+
+
 def verify_written(cfg: RunConfig, source: EngineStates, inputs: CaptureInputs,
                    written: list[ShardPlan]) -> dict[str, Any]:
     """`capture.verify_fraction` of the records just captured by the engine, captured again in-process."""
@@ -146,6 +154,7 @@ def run(cfg: RunConfig) -> CaptureResult:
         "supervised_tokens": float(sum(manifest["splits"][s]["supervised_tokens"] for s in SPLITS)),
         "shards_written": float(len(todo)), "shards_kept": float(len(kept)),
         "capture_tokens_per_second": written_tokens / seconds if seconds else 0.0,
+        **turn_expansion_counts(inputs.outcomes),
     })
     report_path = features_dir / "capture_report.json"
     write_json(report_path, report)

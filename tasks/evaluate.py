@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from contract.chat_rendering import render_record
+from contract.chat_rendering import RenderedConversation, render_samples
 from contract.config import RunConfig
 from tasks.common.artifacts import read_json, save_figure, write_json
 from tasks.common.progress import advance, progress_bar
@@ -164,9 +164,10 @@ def eval_prompts(path: Path, tokenizer: Any, max_length: int, max_records: Optio
     with `max_records`, that many records evenly spaced through the file (so every category is sampled)."""
     prompts: list[EvalPrompt] = []
     for record in select_records(path, max_records, sources):
-        rendered = render_record(tokenizer, record, "as_finished")  # only the prompts (span starts) are used
-        for turn, (start, _) in enumerate(rendered.spans, start=1):
-            ids = tokenizer(rendered.text[:start], add_special_tokens=False)["input_ids"]
+        starts = [start for sample in render_samples(tokenizer, record, "as_finished")  # only prompts are used
+                  for start in sample_prompts(sample.rendered)]
+        for turn, (text, start) in enumerate(starts, start=1):
+            ids = tokenizer(text[:start], add_special_tokens=False)["input_ids"]
             if len(ids) >= max_length:
                 break  # later turns are longer still
             prompts.append(EvalPrompt(record.id, turn, record.source, record.metadata.get("category", "-"), ids))
@@ -174,6 +175,11 @@ def eval_prompts(path: Path, tokenizer: Any, max_length: int, max_records: Optio
         wanted = f" from sources {sources}" if sources else ""
         raise ValueError(f"{path}: no evaluation prompt{wanted} (no supervised assistant turn within {max_length} tokens)")
     return prompts
+
+
+def sample_prompts(rendered: RenderedConversation) -> list[tuple[str, int]]:
+    """(text, where each supervised turn starts) of one rendered sample: the prompt is the text before it."""
+    return [(rendered.text, start) for start, _ in rendered.spans]
 
 
 def load_drafter(cfg: RunConfig, target: Any) -> Any:

@@ -171,6 +171,7 @@ def run(cfg: RunConfig) -> ValidateResult:
     source_of = {row.key: row.record.source if row.record is not None else "unparsed" for row in rows}
     report = StageReport.from_outcomes("validate", outcomes, source_of)
     report.metrics.update(cut_turn_counts(rows))
+    report.metrics.update(turn_expansion_counts(rows))
     budget = ErrorBudget({**upstream, "validate": report}, cfg.validation.max_error_fraction)
     checks = record_checks + split_checks
     supervised = {"train": 0, "eval": 0}
@@ -222,6 +223,13 @@ def cut_turn_counts(rows: list[DerivedRecord]) -> dict[str, float]:
     """Assistant turns regeneration stopped at max_new_tokens, and the records holding them (all input lines)."""
     per_record = [int(row.columns.get("cut_turns") or 0) for row in rows]
     return {"cut_turns": float(sum(per_record)), "records_with_cut_turns": float(sum(1 for count in per_record if count))}
+
+
+def turn_expansion_counts(rows: list[DerivedRecord]) -> dict[str, float]:
+    """Multi-turn reasoning records that train as one sample per turn (contract/chat_rendering.py), and those samples."""
+    per_record = [int(row.columns.get("turn_samples") or 0) for row in rows]
+    return {"records_expanded_per_turn": float(sum(1 for count in per_record if count)),
+            "turn_samples": float(sum(per_record))}
 
 
 # --- inputs -------------------------------------------------------------------------------------------------

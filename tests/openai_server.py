@@ -6,6 +6,7 @@ It generates greedily with transformers (the same model the local backend runs).
 the first N chat requests with `--fail-status`; `--scripted` maps a user prompt to a fixed reply
 (`content`, optional `reasoning_content`, optional `delay_s` before answering) to test how replies are parsed
 and scheduled, or to a refusal (`status`, e.g. 400, and the error `message`, in vLLM's error body).
+Like vLLM and SGLang, it renders with the request's `chat_template_kwargs` (listed per request in `/stats`).
 `GET /stats` counts chat requests and lists each one's last message in arrival order, and the headers of every
 request (`request_headers`: path and headers, lower-cased names), to check what a client sends, and the most
 POSTs it answered at once (`max_in_flight`).
@@ -32,8 +33,10 @@ class ChatModel:
         self.model.eval()
         self.lock = threading.Lock()
 
-    def complete(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    def complete(self, messages: list[dict[str, str]], max_tokens: int,
+                 template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                     return_dict=True, **(template_kwargs or {}))
         eos = self.tokenizer.eos_token_id
         with self.lock, torch.no_grad():
             output = self.model.generate(**encoded, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
@@ -46,7 +49,7 @@ class ChatModel:
 
 def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: dict[str, dict[str, str]]):
     state: dict[str, Any] = {"chat_requests": 0, "arrivals": [], "request_headers": [], "in_flight": 0,
-                             "max_in_flight": 0}
+                             "max_in_flight": 0, "chat_template_kwargs": []}
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -104,6 +107,7 @@ def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: 
             last_user = body["messages"][-1].get("content", "")
             with lock:
                 state["arrivals"].append(last_user)
+                state["chat_template_kwargs"].append(body.get("chat_template_kwargs"))
             if last_user in scripted and "status" in scripted[last_user]:
                 refusal = scripted[last_user]
                 self.send_json(int(refusal["status"]), {"object": "error", "message": refusal["message"],
@@ -117,7 +121,8 @@ def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: 
                     message["reasoning_content"] = reply["reasoning_content"]
                 finish, tokens = "stop", len(reply["content"].split())
             else:
-                generated = model.complete(body["messages"], int(body.get("max_tokens", 16)))
+                generated = model.complete(body["messages"], int(body.get("max_tokens", 16)),
+                                           body.get("chat_template_kwargs"))
                 message = {"role": "assistant", "content": generated["content"]}
                 finish, tokens = generated["finish_reason"], generated["tokens"]
             self.send_json(200, {

@@ -68,3 +68,46 @@ def build_tiny_target(directory: Path, num_layers: int = 6, hidden_size: int = 6
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+#: A reasoning template in the manner of Qwen3's: the turns after the last user message show their reasoning in
+#: think tags (from `reasoning_content`, or split off a content that carries it); earlier assistant turns show only
+#: their answer; `enable_thinking=false` pre-fills an empty think block in the generation prompt.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- set content = message['content'] -%}{%- set reasoning = '' -%}"
+    "{%- if message.reasoning_content is string -%}{%- set reasoning = message.reasoning_content -%}"
+    "{%- elif '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}"
+    "{%- set content = content.split('</think>')[-1] -%}{%- endif -%}"
+    "{%- if loop.index0 > ns.last_user -%}"
+    "{{ '<|im_start|>assistant\n<think>' + reasoning + '</think>' + content + '<|im_end|>\n' }}"
+    "{%- else -%}{{ '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}{%- endif -%}"
+    "{%- else -%}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think></think>' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+THINK_TOKENS = ["<think>", "</think>"]
+
+
+def build_thinking_target(directory: Path, seed: int = 0) -> Path:
+    """The tiny target with the reasoning template and `<think>`/`</think>` as tokens of their own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_target(directory, seed=seed)
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(THINK_TOKENS)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contract.chat_rendering import CutTurns, render_record, tokenize_with_mask
+from contract.chat_rendering import TURN_SUFFIX, CutTurns, render_samples, tokenize_with_mask
 from contract.config import RunConfig
 from contract.records import PromptRecord
 
@@ -36,7 +36,9 @@ class FeatureRow:
 
 
 def find_record(cfg: RunConfig, sample_id: str) -> tuple[PromptRecord, Path]:
-    """The record with this id from the latest data file that holds it."""
+    """The record with this id (a turn sample's id `<record id>#turn<i>` names its record) from the latest data
+    file that holds it."""
+    sample_id = sample_id.split(TURN_SUFFIX)[0]
     data_dir = cfg.output_path / "data"
     searched = []
     for name in SEARCH_ORDER:
@@ -54,9 +56,13 @@ def find_record(cfg: RunConfig, sample_id: str) -> tuple[PromptRecord, Path]:
     raise KeyError(f"no record with id '{sample_id}' in {where}")
 
 
-def inspection_rows(tokenizer: Any, record: PromptRecord, max_length: int, cut_turns: CutTurns = "no_end") -> list[TokenRow]:
-    rendered = render_record(tokenizer, record, cut_turns)
-    sample = tokenize_with_mask(tokenizer, rendered, max_length)
+def inspection_rows(tokenizer: Any, record: PromptRecord, max_length: int, cut_turns: CutTurns = "no_end",
+                    sample_id: str = "") -> list[TokenRow]:
+    """The tokens of the sample `sample_id` names (the record's first sample when it names no turn)."""
+    samples = render_samples(tokenizer, record, cut_turns)
+    suffix = sample_id[len(record.id):] if sample_id.startswith(record.id) else ""
+    chosen = next((turn for turn in samples if turn.suffix == suffix), samples[0])
+    sample = tokenize_with_mask(tokenizer, chosen.rendered, max_length)
     return [
         TokenRow(position, token_id, tokenizer.decode([token_id]), mask)
         for position, (token_id, mask) in enumerate(zip(sample.input_ids, sample.loss_mask))

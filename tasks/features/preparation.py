@@ -12,9 +12,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from contract.chat_rendering import CutTurns, TemplateError, render_record, tokenize_with_mask, unfinished_turns
+from contract.chat_rendering import (CutTurns, RenderedConversation, TemplateError, render_samples, tokenize_with_mask,
+                                     unfinished_turns)
 from contract.config import RunConfig
 from contract.records import Outcome, read_prompt_records
 from models.target_capture import resolve_aux_layer_ids
@@ -78,7 +79,9 @@ def prepare_inputs(cfg: RunConfig) -> CaptureInputs:
 def prepare_split(path: Path, split: str, tokenizer: Any, max_length: int, vocab_size: int,
                   outcomes: list[Outcome], source_of: dict[str, str], cut_turns: CutTurns = "no_end") -> list[Sample]:
     """Tokenise and mask every record of one split; non-ok records become outcomes with a reason.
-    validate wrote the file, so a line that is not a PromptRecord is a hard error."""
+    validate wrote the file, so a line that is not a PromptRecord is a hard error. A record expanded per turn
+    (contract/chat_rendering.py `render_samples`) gives one sample and one outcome per supervised turn,
+    each keyed and named with its `#turn<i>` suffix."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no {split} records; run the validate stage first")
     samples = []
@@ -91,23 +94,34 @@ def prepare_split(path: Path, split: str, tokenizer: Any, max_length: int, vocab
                                     "(validation.cut_turns: drop)"))
             continue
         try:
-            rendered = render_record(tokenizer, record, cut_turns)
-            sample = tokenize_with_mask(tokenizer, rendered, max_length)
+            turns = render_samples(tokenizer, record, cut_turns)
         except TemplateError as error:
             outcomes.append(Outcome(key=key, id=record.id, status="error", reason=f"template: {error}"))
             continue
-        if sample.input_ids and max(sample.input_ids) >= vocab_size:
-            outcomes.append(Outcome(key=key, id=record.id, status="error",
-                                    reason=f"token id {max(sample.input_ids)} outside the target vocab {vocab_size}"))
-            continue
-        if not sample.supervised_tokens:
-            where = (f"in its first {max_length} tokens (validation.max_length)" if sample.truncated
-                     else "(no supervised assistant turn)")
-            outcomes.append(Outcome(key=key, id=record.id, status="skipped", reason=f"no supervised token {where}"))
-            continue
-        outcomes.append(Outcome(key=key, id=record.id, status="ok"))
-        samples.append(Sample(key, record.id, sample.input_ids, sample.loss_mask))
+        for turn in turns:
+            source_of[key + turn.suffix] = record.source
+            sample = prepared_sample(key + turn.suffix, record.id + turn.suffix, turn.rendered, tokenizer, max_length,
+                                     vocab_size, outcomes)
+            if sample is not None:
+                samples.append(sample)
     return samples
+
+
+def prepared_sample(key: str, sample_id: str, rendered: RenderedConversation, tokenizer: Any, max_length: int,
+                    vocab_size: int, outcomes: list[Outcome]) -> Optional[Sample]:
+    """The rendered sample's ids and mask, or None with the outcome saying why not."""
+    sample = tokenize_with_mask(tokenizer, rendered, max_length)
+    if sample.input_ids and max(sample.input_ids) >= vocab_size:
+        outcomes.append(Outcome(key=key, id=sample_id, status="error",
+                                reason=f"token id {max(sample.input_ids)} outside the target vocab {vocab_size}"))
+        return None
+    if not sample.supervised_tokens:
+        where = (f"in its first {max_length} tokens (validation.max_length)" if sample.truncated
+                 else "(no supervised assistant turn)")
+        outcomes.append(Outcome(key=key, id=sample_id, status="skipped", reason=f"no supervised token {where}"))
+        return None
+    outcomes.append(Outcome(key=key, id=sample_id, status="ok"))
+    return Sample(key, sample_id, sample.input_ids, sample.loss_mask)
 
 
 def settings_fingerprint(cfg: RunConfig, info: TargetInfo, aux_ids: list[int], vocab_hash: str) -> str:
