@@ -91,6 +91,19 @@ def template_kwargs(tokenizer: Any) -> dict[str, Any]:
     return dict(getattr(tokenizer, TEMPLATE_KWARGS_ATTRIBUTE, None) or {})
 
 
+def served_history(messages: Sequence[Message], turn: int) -> list[dict[str, str]]:
+    """The chat messages before `turn` as a client sends them to a server (regeneration does): earlier assistant
+    turns carry their answer only, never their reasoning."""
+    return [{"role": message.role, "content": message.content or ""} for message in messages[:turn]]
+
+
+def served_prompt(tokenizer: Any, messages: Sequence[Message], turn: int) -> str:
+    """What the serving engine renders before assistant turn `turn`: the template (with the bound template
+    variables, as requests carry them) over the served history, with the generation prompt."""
+    return tokenizer.apply_chat_template(served_history(messages, turn), tokenize=False, add_generation_prompt=True,
+                                         **template_kwargs(tokenizer))
+
+
 def render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
     """The chat template applied to `messages`, as text, with the tokenizer's bound template variables."""
     return tokenizer.apply_chat_template(
@@ -149,6 +162,23 @@ def render_samples(tokenizer: Any, record: PromptRecord, cut_turns: CutTurns) ->
             rendered = render_with_spans(tokenizer, turn_messages(record.messages, index), cut)
             samples.append(TurnSample(f"{TURN_SUFFIX}{index}", rendered))
     return samples
+
+
+def prompt_mismatches(tokenizer: Any, record: PromptRecord, samples: Sequence[TurnSample]) -> list[str]:
+    """Each supervised turn whose training prompt (the sample's text before the turn) is not what the engine renders
+    for the served history: the drafter would learn from a context the target never sees. Empty when all match."""
+    supervised = [index for index, message in enumerate(record.messages) if is_supervised(message)]
+    problems = []
+    for sample in samples:
+        turns = [int(sample.suffix[len(TURN_SUFFIX):])] if sample.suffix else supervised
+        for index, (start, _) in zip(turns, sample.rendered.spans):
+            ours, served = sample.rendered.text[:start], served_prompt(tokenizer, record.messages, index)
+            if ours != served:
+                at = next((i for i, (a, b) in enumerate(zip(ours, served)) if a != b), min(len(ours), len(served)))
+                problems.append(f"turn {index}: the training prompt differs from what the engine renders for the "
+                                f"served messages at character {at}: ours {ours[at:at + 40]!r}, engine's "
+                                f"{served[at:at + 40]!r}")
+    return problems
 
 
 def render_with_spans(tokenizer: Any, messages: Sequence[Message], unfinished: Collection[int] = ()) -> RenderedConversation:

@@ -23,6 +23,7 @@ from contract.chat_rendering import (
     TemplateError,
     is_supervised,
     render,
+    prompt_mismatches,
     render_samples,
     template_kwargs,
     tokenize_with_mask,
@@ -45,6 +46,7 @@ COLUMNS = (
     "supervised_tokens",
     "cut_turns",
     "turn_samples",
+    "serving_prompts_match",
 )
 UNSUPERVISED_ASSISTANT = "assistant-unsupervised"
 MISSING_HASH = "<missing>"
@@ -185,6 +187,10 @@ def _template_columns(derived: DerivedRecord, record: PromptRecord, tokenizer: A
         return
     columns["template_renders"] = True
     columns["turn_samples"] = len(turns) if turns[0].suffix else 0
+    if record.text is None:
+        problems = prompt_mismatches(tokenizer, record, turns)
+        columns["serving_prompts_match"] = not problems
+        details["serving_prompts_match"] = "; ".join(problems)
     _token_columns(derived, samples, tokenizer, settings)
 
 

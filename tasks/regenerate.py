@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from contract.chat_rendering import served_history
 from contract.config import RunConfig
 from contract.reasoning import ReasoningError, split_reasoning
 from contract.records import (GenerationParams, Message, Outcome, PromptRecord, StageReport, TurnGeneration,
@@ -253,10 +254,6 @@ def request_seed(base_seed: int, record_id: str, turn: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def history(messages: list[Message], turn: int) -> list[dict[str, str]]:
-    """Chat messages before `turn`; earlier assistant turns carry their answer only, never reasoning."""
-    return [{"role": message.role, "content": message.content or ""} for message in messages[:turn]]
-
 
 def plan_record(key: str, record: PromptRecord, supervise: str,
                 keep_responses: bool) -> tuple[Optional[PendingRecord], Optional[dict[str, Any]]]:
@@ -366,7 +363,7 @@ async def regenerate_record(key: str, record: PromptRecord, generator, client, s
 
 
 def turn_request(item: PendingRecord, turn: int, base_seed: int) -> GenerationRequest:
-    return GenerationRequest(item.record.id, turn, history(item.messages, turn), request_seed(base_seed, item.record.id, turn))
+    return GenerationRequest(item.record.id, turn, served_history(item.messages, turn), request_seed(base_seed, item.record.id, turn))
 
 
 def run_rounds(pending: list[PendingRecord], generator: Generator, settings, stats: dict[str, float]) -> None:

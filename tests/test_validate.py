@@ -274,13 +274,21 @@ def test_reasoning_content_is_allowed_when_saved(tmp_path: Path, materialised: P
     from tasks import validate
 
     records = [conv(chat_hash, "thought", user("Capital of Italy?"), bot("Rome.", reasoning="Italy's capital is Rome.")),
-               conv(chat_hash, "raw-think", user("Capital of Spain?"), bot("<think>hmm</think>Madrid."))]
+               conv(chat_hash, "raw-think", user("Capital of Spain?"), bot("<think>hmm</think>Madrid.")),
+               # ChatML keeps the first turn's reasoning in the history; the served history never had it
+               conv(chat_hash, "reasoning-in-history", user("Capital of France?"), bot("Paris.", reasoning="easy"),
+                    user("And of Italy?"), bot("Rome."))]
     cfg = prepare(tmp_path, materialised, records, max_error_fraction=1.0, eval_fraction=0.0,
                   regeneration={"reasoning": "save"})  # the one ok record stays in train (an empty one fails)
     result = validate.run(cfg)
     outcomes = outcomes_by_id(cfg)
     assert outcomes["chats:thought"]["status"] == "ok"
     assert outcomes["chats:raw-think"]["status"] == "error" and "no_reasoning_markers" in outcomes["chats:raw-think"]["reason"]
+    history = outcomes["chats:reasoning-in-history"]
+    assert history["status"] == "error" and history["reason"].startswith(
+        "serving_prompts_match: turn 3: the training prompt differs from what the engine renders for the served "
+        "messages at character"), history
+    assert "ours '<think>easy</think>Paris." in history["reason"] and "engine's 'Paris." in history["reason"]
     kept = read_jsonl(result.train_path) + read_jsonl(result.eval_path)
     assert [row["messages"][1]["reasoning_content"] for row in kept] == ["Italy's capital is Rome."]
 
