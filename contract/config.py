@@ -454,7 +454,12 @@ class RegistryConfig(Section):
         description="offline chain mean accept length floor, above 1.0: an accept length of 1.0 is the target's own "
         "token alone, every drafted token rejected")
     min_speedup: float = Field(default=1.0, ge=0.0, description="engine output tok/s with / without the drafter")
-    engine_tolerance: float = Field(default=0.15, ge=0.0, description="relative gap, engine vs offline accept length")
+    agreement_alpha: float = Field(
+        default=0.01, gt=0.0, lt=1.0, description="the engine-agreement check fails when a draft position's acceptance "
+        "differs from the offline decoder's with p below this (two-proportion test; tasks/serving/agreement.py)")
+    agreement_min_drafts: int = Field(
+        default=50, ge=1, description="fewest drafts on each side for the agreement check to decide; fewer is "
+        "'inconclusive', a gate that could not be measured")
     max_regression: float = Field(
         default=0.02, ge=0.0, le=1.0,
         description="allowed relative drop of the offline accept length vs the champion on the same eval set")

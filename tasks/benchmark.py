@@ -66,6 +66,7 @@ from tasks.common.artifacts import read_json, save_figure, write_json, write_jso
 from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve, serve_together
 from tasks.data.held_out import select_records, turn_prefixes
 from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
+from tasks.serving.agreement import agreement_verdict, engine_counts, offline_counts, run_agreement
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
 from tasks.serving.serving_setting import ServingSetting, serving_sweep
 from tasks.serving.speedup_model import predicted_setting_speedup
@@ -126,15 +127,16 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     steps = cfg.evaluation.steps  # the offline evaluation's chain length: both measure the same drafting
     sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens,
                         chat_template_kwargs=dict(cfg.model.chat_template_kwargs))
+    agreement = AgreementRun(agreement_prompts(cfg), cfg.evaluation.max_new_tokens, cfg.evaluation.temperature, steps)
 
     engines: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
     for kind in settings.engines:
         sweep = serving_sweep(kind, settings.num_speculative_tokens, settings.sglang_trees, steps)
         if settings.engine_starts == "once":
-            baselines, drafted = measure_resident(cfg, kind, requests, sampling, sweep, steps)
+            baselines, drafted = measure_resident(cfg, kind, requests, sampling, sweep, agreement)
         else:
-            baselines, drafted = measure_per_round(cfg, kind, requests, sampling, sweep, steps)
+            baselines, drafted = measure_per_round(cfg, kind, requests, sampling, sweep, agreement)
         engines[kind] = engine_report(cfg, kind, baselines, drafted, steps)
         measured_runs = baselines + [measured for runs in drafted.values() for measured in runs]
         rows += [row for measured in measured_runs for row in request_rows(kind, measured)]
@@ -211,6 +213,35 @@ def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optiona
     return launch
 
 
+@dataclass(frozen=True)
+class AgreementRun:
+    """The offline evaluation's prompts, budget, temperature and chain length, replayed on the drafting engine."""
+
+    prompts: list[Any]
+    max_tokens: int
+    temperature: float
+    steps: int
+
+    def on(self, setting: ServingSetting, round_number: int) -> Optional["AgreementRun"]:
+        """Itself for the engine drafting the evaluation's chain in the first round; None for every other."""
+        wanted = self.prompts and setting == ServingSetting(self.steps) and round_number == 1
+        return self if wanted else None
+
+
+def agreement_prompts(cfg: RunConfig) -> list[Any]:
+    """The offline evaluation's prompts, rendered and tokenised exactly as evaluate renders them; none without an
+    offline evaluation to agree with."""
+    from tasks.common.target_info import load_tokenizer
+    from tasks.evaluate import eval_prompts
+
+    out = cfg.output_path
+    if not (out / OFFLINE_ACCEPTANCE).is_file():
+        return []
+    tokenizer = load_tokenizer(out / "target", cfg.model)
+    return eval_prompts(out / "data" / "eval.jsonl", tokenizer, cfg.validation.max_length, cfg.evaluation.max_prompts,
+                        cfg.evaluation.sources)
+
+
 def variant_name(setting: ServingSetting, sweep: list[ServingSetting]) -> str:
     return "eagle3" if len(sweep) == 1 else f"eagle3-{setting.label}"
 
@@ -219,28 +250,28 @@ Drafted = dict[ServingSetting, list[VariantRun]]
 
 
 def measure_per_round(cfg: RunConfig, kind: EngineKind, requests: list[ChatRequest], sampling: Sampling,
-                      sweep: list[ServingSetting], steps: int) -> tuple[list[VariantRun], Drafted]:
+                      sweep: list[ServingSetting], agreement: "AgreementRun") -> tuple[list[VariantRun], Drafted]:
     """`benchmark.engine_starts: per_round`: a fresh engine per variant and round, one at a time, alternating
     without, with (each setting), without, with, ..."""
     draft = cfg.output_path / "draft" / kind
     baselines: list[VariantRun] = []
     drafted: Drafted = {setting: [] for setting in sweep}
     for round_number in range(1, cfg.benchmark.rounds + 1):
-        baselines.append(measure_variant(cfg, kind, "baseline", requests, sampling, None, ServingSetting(steps),
-                                         round_number))
+        baselines.append(measure_variant(cfg, kind, "baseline", requests, sampling, None,
+                                         ServingSetting(agreement.steps), round_number))
         for setting in sweep:
             drafted[setting].append(measure_variant(cfg, kind, variant_name(setting, sweep), requests, sampling, draft,
-                                                    setting, round_number))
+                                                    setting, round_number, agreement.on(setting, round_number)))
     return baselines, drafted
 
 
 def measure_resident(cfg: RunConfig, kind: EngineKind, requests: list[ChatRequest], sampling: Sampling,
-                     sweep: list[ServingSetting], steps: int) -> tuple[list[VariantRun], Drafted]:
+                     sweep: list[ServingSetting], agreement: "AgreementRun") -> tuple[list[VariantRun], Drafted]:
     """`benchmark.engine_starts: once`: every variant's engine is started once (own port, all at the same time)
     and kept up; each round measures them one after the other on the same live engines, so the rounds cost no
     start-ups."""
     draft = cfg.output_path / "draft" / kind
-    variants = [("baseline", None, ServingSetting(steps))]
+    variants = [("baseline", None, ServingSetting(agreement.steps))]
     variants += [(variant_name(setting, sweep), draft, setting) for setting in sweep]
     baselines: list[VariantRun] = []
     drafted: Drafted = {setting: [] for setting in sweep}
@@ -256,15 +287,16 @@ def measure_resident(cfg: RunConfig, kind: EngineKind, requests: list[ChatReques
             live.append((variant, variant_draft, setting, engine, startup_s))
         for round_number in range(1, cfg.benchmark.rounds + 1):
             for variant, variant_draft, setting, engine, startup_s in live:
+                drafting = agreement.on(setting, round_number) if variant_draft is not None else None
                 measured = measure_levels(cfg, kind, engine, variant, requests, sampling, variant_draft is not None,
-                                          startup_s, round_number)
+                                          startup_s, round_number, drafting)
                 (baselines if variant_draft is None else drafted[setting]).append(measured)
     return baselines, drafted
 
 
 def measure_variant(cfg: RunConfig, kind: EngineKind, variant: str, requests: list[ChatRequest],
                     sampling: Sampling, draft: Optional[Path], setting: ServingSetting,
-                    round_number: int = 1) -> VariantRun:
+                    round_number: int = 1, agreement: Optional["AgreementRun"] = None) -> VariantRun:
     """Start the engine, warm it up, run every concurrency level, stop it."""
     launch = engine_launch(cfg, kind, variant, draft, setting, round_number)
     started = time.monotonic()
@@ -272,13 +304,14 @@ def measure_variant(cfg: RunConfig, kind: EngineKind, variant: str, requests: li
         startup_s = time.monotonic() - started
         warm_up(engine, requests[0])
         return measure_levels(cfg, kind, engine, variant, requests, sampling, draft is not None, startup_s,
-                              round_number)
+                              round_number, agreement)
 
 
 def measure_levels(cfg: RunConfig, kind: EngineKind, engine: RunningEngine, variant: str,
                    requests: list[ChatRequest], sampling: Sampling, speculative: bool, startup_s: float,
-                   round_number: int) -> VariantRun:
-    """Every concurrency level on a started, warmed-up engine, with the peak RSS of its process tree."""
+                   round_number: int, agreement: Optional["AgreementRun"] = None) -> VariantRun:
+    """Every concurrency level on a started, warmed-up engine, with the peak RSS of its process tree; then, on the
+    engine that drafts the offline evaluation's chain (first round), the agreement run."""
     measured = VariantRun(variant=variant, round=round_number, report={
         "command": engine.command, "log": str(engine.log_path), "startup_s": startup_s, "levels": [],
     })
@@ -288,6 +321,9 @@ def measure_levels(cfg: RunConfig, kind: EngineKind, engine: RunningEngine, vari
             measured.report["levels"].append(level)
             measured.results[concurrency] = results
     measured.report["peak_rss_mib"] = memory.peak_bytes / 2**20
+    if agreement is not None:
+        measured.report["agreement"] = run_agreement(engine, kind, agreement.prompts, agreement.max_tokens,
+                                                     agreement.temperature)
     return measured
 
 
@@ -382,8 +418,7 @@ def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafte
         failures.append(mismatch_message(kind, greedy["mismatches"]))
     offline_chain = ServingSetting(steps)
     if offline_chain in per_setting:
-        engine_length = per_setting[offline_chain]["eagle3"]["speculative"]["mean_accept_length"]
-        contract = check_acceptance(cfg, kind, engine_length, steps)
+        contract = check_agreement(cfg, kind, drafted[offline_chain], steps)
     else:
         chains = sorted(setting.steps for setting in per_setting if setting.is_chain)
         contract = {"status": "skipped", "reason": f"benchmark.num_speculative_tokens {chains} does not "
@@ -537,51 +572,50 @@ def mismatch_message(kind: str, mismatches: list[dict[str, Any]]) -> str:
             f"speculative decoding at temperature 0 must not change the output")
 
 
-def check_acceptance(cfg: RunConfig, kind: str, engine_length: Optional[float], steps: int) -> dict[str, Any]:
-    """Engine mean acceptance length against the offline evaluation of the same drafter (when there is one)."""
+def check_agreement(cfg: RunConfig, kind: str, runs: list[VariantRun], steps: int) -> dict[str, Any]:
+    """The engine's agreement run against the offline evaluation of the same drafter (tasks/serving/agreement.py)."""
     path = cfg.output_path / OFFLINE_ACCEPTANCE
     if not path.is_file():
         return {"status": "skipped", "reason": f"no offline evaluation at {path}"}
-    if cfg.benchmark.temperature != cfg.evaluation.temperature:
-        return {"status": "skipped", "reason": f"benchmark temperature {cfg.benchmark.temperature} differs from "
-                f"the offline evaluation's {cfg.evaluation.temperature}"}
-    chain = read_json(path)["chain"]
-    tolerance = cfg.registry.engine_tolerance
-    check: dict[str, Any] = {"offline_mean_accept_length": chain["mean_accept_length"], "offline_steps": chain["steps"],
-                             "engine_mean_accept_length": engine_length, "engine_steps": steps, "tolerance": tolerance}
-    return {**check, **acceptance_verdict(cfg.output_path, kind, check)}
-
-
-def acceptance_verdict(out: Path, kind: str, check: dict[str, Any]) -> dict[str, Any]:
-    """ok, or failed with a reason that says where to look."""
-    offline, engine = check["offline_mean_accept_length"], check["engine_mean_accept_length"]
-    if check["offline_steps"] != check["engine_steps"]:
+    offline = read_json(path)
+    chain = offline["chain"]
+    if chain["steps"] != steps or "accepted_per_position" not in chain:
         return {"status": "failed", "reason": (
-            f"{kind}: the offline evaluation ({out / OFFLINE_ACCEPTANCE}) used {check['offline_steps']} draft steps, "
-            f"the engine {check['engine_steps']}: rerun the evaluate stage with the same evaluation.steps")}
-    if engine is None:
-        return {"status": "failed", "reason": f"{kind}: the engine reported no acceptance to compare"}
-    gap = abs(engine - offline) / offline
-    if gap <= check["tolerance"]:
-        return {"status": "ok", "relative_gap": gap}
-    reason = layer_hint(out, kind, engine, offline, gap, check["tolerance"])
-    return {"status": "failed", "relative_gap": gap, "reason": reason}
+            f"{kind}: the offline evaluation ({path}) is not of this drafter's chain of {steps} steps with per-position "
+            "counts: rerun the evaluate stage")}
+    rows = next((measured.report["agreement"] for measured in runs if "agreement" in measured.report), None)
+    if rows is None:
+        return {"status": "skipped", "reason": f"{kind}: no agreement run at evaluation.steps {steps}"}
+    settings = cfg.registry
+    verdict = agreement_verdict(engine_counts(rows), offline_counts(chain), steps, settings.agreement_alpha,
+                                settings.agreement_min_drafts)
+    if kind == "sglang":
+        verdict.update(status="inconclusive", reason="SGLang exposes no per-position acceptance counters (its "
+                       "spec_accept_length gauge is a mean): compare on vLLM")
+    offline_rows = {row["prompt"]: row for row in chain["per_prompt"]}
+    verdict["per_prompt"] = [{"prompt": row["prompt"], "engine": row, "offline": offline_rows.get(row["prompt"])}
+                             for row in rows]
+    verdict.update(engine_steps=steps, offline_steps=chain["steps"], prompts=len(rows),
+                   max_new_tokens=offline["max_new_tokens"], temperature=offline["temperature"])
+    if verdict["status"] == "failed":
+        verdict["reason"] = mismatch_hint(cfg.output_path, kind, verdict["reason"])
+    return verdict
 
 
-def layer_hint(out: Path, kind: str, engine: float, offline: float, gap: float, tolerance: float) -> str:
-    """The acceptance mismatch message, with the export's layer ids next to the trained ones."""
+def mismatch_hint(out: Path, kind: str, differences: str) -> str:
+    """The agreement failure, with the export's layer ids next to the trained ones and where else to look."""
     draft = out / "draft" / kind
     eagle_config = read_json(draft / "config.json").get("eagle_config", {}) if (draft / "config.json").is_file() else {}
     engine_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids", "absent (engine default)")
     trained_ids = eagle_config.get("eaglet_aux_layer_ids", "unknown")
     return (
-        f"{kind}: mean acceptance length {engine:.3f} in the engine vs {offline:.3f} offline "
-        f"(gap {gap:.0%} > {tolerance:.0%}): the engine is not drafting from what the drafter was trained on. "
-        f"Check (1) the aux layer-id convention (docs/architecture.md §3): {draft}/config.json has "
-        f"eagle_config.eagle_aux_hidden_state_layer_ids = {engine_ids} for trained layers {trained_ids} "
-        f"(vLLM captures the output of layer id - 1, SGLang of layer id); (2) the chat template the engine "
-        f"applies is the target's ({out}/target/chat_template.jinja); (3) the vocab mapping (d2t/t2d) in "
-        f"{draft}/model.safetensors is the one trained with ({out}/vocab/vocab_mapping.safetensors)"
+        f"{kind}: the engine's acceptance differs from the offline decoder's on the same prompts: {differences}. "
+        f"The engine is not drafting from what the drafter was trained on. Check (1) the aux layer-id convention "
+        f"(docs/architecture.md §3): {draft}/config.json has eagle_config.eagle_aux_hidden_state_layer_ids = "
+        f"{engine_ids} for trained layers {trained_ids} (vLLM captures the output of layer id - 1, SGLang of layer "
+        f"id); (2) the chat template and model.chat_template_kwargs the engine renders with are the target's "
+        f"({out}/target/chat_template.jinja); (3) the vocab mapping (d2t/t2d) in {draft}/model.safetensors is the "
+        f"one trained with ({out}/vocab/vocab_mapping.safetensors)"
     )
 
 

@@ -86,6 +86,7 @@ class ModeTotals:
     verify_seconds: float = 0.0
     wall_seconds: float = 0.0
     buckets: dict[str, list[int]] = field(default_factory=dict)
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, prompt: EvalPrompt, stats: Any, seconds: float) -> None:
         self.accept_lengths += stats.accept_lengths
@@ -95,6 +96,8 @@ class ModeTotals:
         self.draft_seconds += stats.draft_seconds
         self.verify_seconds += stats.verify_seconds
         self.wall_seconds += seconds
+        self.per_prompt.append({"prompt": prompt.key, "rounds": stats.rounds,
+                                "accepted_per_position": accepted_counts(stats.accept_lengths, self.mode.steps)})
         for bucket in (f"source={prompt.source}", f"category={prompt.category}",
                        f"prompt_tokens{prompt.length_bucket}", f"turn={prompt.turn}"):
             self.buckets.setdefault(bucket, []).extend(stats.accept_lengths)
@@ -102,13 +105,14 @@ class ModeTotals:
     def report(self) -> dict[str, Any]:
         rounds = len(self.accept_lengths)
         histogram = {str(length): self.accept_lengths.count(length) for length in range(1, self.mode.steps + 2)}
-        by_depth = [sum(length - 1 >= depth for length in self.accept_lengths) / rounds if rounds else 0.0
-                    for depth in range(1, self.mode.steps + 1)]
+        by_depth = [count / rounds if rounds else 0.0 for count in accepted_counts(self.accept_lengths, self.mode.steps)]
         busy = self.draft_seconds + self.verify_seconds
         return {
             "steps": self.mode.steps, "topk": self.mode.topk, "num_draft_tokens": self.mode.num_draft_tokens,
             "rounds": rounds, "mean_accept_length": mean(self.accept_lengths),
             "acceptance_by_depth": by_depth, "accept_length_histogram": histogram,
+            "accepted_per_position": accepted_counts(self.accept_lengths, self.mode.steps),
+            "per_prompt": self.per_prompt,
             "mean_drafted_tokens": mean(self.drafted_tokens),
             "target_forwards": self.target_forwards, "generated_tokens": self.generated_tokens,
             "tokens_per_target_forward": self.generated_tokens / self.target_forwards if self.target_forwards else 0.0,
@@ -118,6 +122,12 @@ class ModeTotals:
             "buckets": {name: {"rounds": len(values), "mean_accept_length": mean(values)}
                         for name, values in sorted(self.buckets.items())},
         }
+
+
+def accepted_counts(accept_lengths: list[int], steps: int) -> list[int]:
+    """Rounds that accepted the draft token at each position 1..steps (position d needs d accepted tokens): the
+    counts engines report per position (vLLM's spec_decode_num_accepted_tokens_per_pos)."""
+    return [sum(length - 1 >= depth for length in accept_lengths) for depth in range(1, steps + 1)]
 
 
 def mean(values: list[int]) -> float:

@@ -93,9 +93,11 @@ def aliases(uri: str) -> dict[str, int]:
 # --- the gates, one planted value at a time -------------------------------------------------------------
 
 
-def serving(speedup: float = 1.4, engine_length: float = 2.1, failures: tuple[str, ...] = ()) -> dict[str, Any]:
-    check = {"status": "ok", "offline_mean_accept_length": 2.0, "offline_steps": 3,
-             "engine_mean_accept_length": engine_length, "engine_steps": 3, "tolerance": 0.15}
+def serving(speedup: float = 1.4, agreement: str = "ok", min_p_value: float = 0.4,
+            failures: tuple[str, ...] = ()) -> dict[str, Any]:
+    check = {"status": agreement, "offline_mean_accept_length": 2.0, "offline_steps": 3, "min_p_value": min_p_value,
+             "engine_mean_accept_length": 2.1, "engine_steps": 3, "relative_gap": 0.05,
+             "reason": "position 1: engine accepted 0/180 (0.0%), offline 8/226 (3.5%), p = 0.011"}
     engine = {"speedup": [{"concurrency": 1, "output_tokens_per_s": speedup}, {"concurrency": 4, "output_tokens_per_s": 0.8}],
               "acceptance_check": check, "failures": list(failures)}
     return {"engines": {"vllm": engine}, "failures": list(failures), "passed": not failures}
@@ -109,7 +111,7 @@ def good_inputs(**changes: Any) -> GateInputs:
     return GateInputs(**{**values, **changes})
 
 
-SETTINGS = RegistryConfig(min_accept_length=1.5, min_speedup=1.2, engine_tolerance=0.15, max_regression=0.02)
+SETTINGS = RegistryConfig(min_accept_length=1.5, min_speedup=1.2, agreement_alpha=0.01, max_regression=0.02)
 PLANTED: dict[str, tuple[Callable[[], GateInputs], Any, Any]] = {
     # gate: (inputs with one bad value, measured, threshold)
     "data_contract": (lambda: good_inputs(data_contract={"passed": False, "violations": ["ids unique"]}), False, True),
@@ -119,7 +121,8 @@ PLANTED: dict[str, tuple[Callable[[], GateInputs], Any, Any]] = {
                                                               "chain": {"mean_accept_length": 1.4}},
                                                   champion=None), 1.4, 1.5),
     "serving_checks": (lambda: good_inputs(serving=serving(failures=("vllm: 1 of 8 requests failed",))), False, True),
-    "engine_acceptance[vllm]": (lambda: good_inputs(serving=serving(engine_length=2.5)), pytest.approx(0.25), 0.15),
+    "engine_acceptance[vllm]": (lambda: good_inputs(serving=serving(agreement="failed", min_p_value=0.011)), 0.011,
+                                0.01),
     "speedup[vllm]": (lambda: good_inputs(serving=serving(speedup=1.1)), 1.1, 1.2),
     "no_regression": (lambda: good_inputs(champion=Champion(1, "rev", "evalset", 2.5)), 2.0, pytest.approx(2.45)),
 }
@@ -186,6 +189,13 @@ def test_a_skipped_engine_comparison_is_waived_by_its_family_name() -> None:
     assert gate.status == "not run" and gate.blocks and "[engine_acceptance]" in gate.describe()
     settings = SETTINGS.model_copy(update={"waive_gates": ["engine_acceptance"]})
     assert gates_passed(evaluate_gates(good_inputs(serving=report), settings))
+
+
+def test_an_inconclusive_agreement_is_a_gate_that_could_not_be_measured_never_a_pass() -> None:
+    report = serving(agreement="inconclusive", min_p_value=0.9)
+    report["engines"]["vllm"]["acceptance_check"]["reason"] = "too few drafts to tell: engine 12, offline 14 rounds"
+    gate = {gate.name: gate for gate in evaluate_gates(good_inputs(serving=report), SETTINGS)}["engine_acceptance[vllm]"]
+    assert gate.status == "not run" and gate.blocks and "inconclusive: too few drafts to tell" in gate.detail
 
 
 def test_every_gate_that_can_go_unmeasured_can_be_waived() -> None:

@@ -24,9 +24,9 @@ VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 pytestmark = pytest.mark.slow
 
-#: The families vLLM serves through its chat endpoint here. gpt-oss is not among them: vLLM renders a gpt-oss chat
-#: in Harmony's o200k token ids whatever the target's tokenizer says (the tiny target's ChatML vocabulary answers
-#: "Token id 200008 is out of vocabulary"), so serving it needs prompts sent as our own token ids.
+#: The families vLLM serves through its chat endpoint here. gpt-oss is served through /v1/completions with our own
+#: token ids instead: vLLM renders a gpt-oss chat in Harmony's o200k token ids whatever the target's tokenizer says
+#: (the tiny target's ChatML vocabulary answers "Token id 200008 is out of vocabulary").
 CHAT_SERVED = [model_type for model_type in FAMILIES if model_type != "gpt_oss"]
 
 
@@ -41,8 +41,9 @@ def family_config(root: Path, model_dir: Path) -> RunConfig:
         "capture": {"aux_layer_ids": [1, 2, 3], "dtype": "float32", "draft_vocab_size": 128},
         "training": {"ttt_length": 3, "learning_rate": 3e-3, "tokens_per_step": 64, "epochs": 8, "warmup_ratio": 0.1,
                      "save_interval": 1000, "eval_interval": 1000},
-        "evaluation": {"steps": 3, "max_new_tokens": 16},
+        "evaluation": {"steps": 3, "max_new_tokens": 24},
         "benchmark": {"engines": ["vllm"], "concurrency": [1], "num_requests": 6, "max_tokens": 16},  # the eval prompts
+        "registry": {"agreement_min_drafts": 20},  # 6 prompts of 24 tokens: 36-70 drafts at these acceptances
         "runtime": {"engines": {"vllm": {"python": str(VLLM_PYTHON), "port": free_port(),
                                          "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}},
         "tracking": {"enabled": False},
@@ -116,6 +117,7 @@ def test_the_draft_config_is_derived_from_the_family_target(family_runs: dict[st
 @pytest.mark.parametrize("model_type", CHAT_SERVED)
 def test_vllm_serves_the_family_target_with_its_drafter_faithfully(family_runs: dict[str, RunConfig],
                                                                    model_type: str) -> None:
+    """The benchmark stage itself: chat requests with and without the drafter, then the agreement run."""
     if not VLLM_PYTHON.is_file():
         pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
     from tasks import benchmark
@@ -129,9 +131,37 @@ def test_vllm_serves_the_family_target_with_its_drafter_faithfully(family_runs: 
     assert window["drafts"] > 0 and window["draft_tokens"] == 3 * window["drafts"], "the engine drafted"
     check = vllm["acceptance_check"]
     assert check["status"] == "ok", check
-    assert check["offline_mean_accept_length"] == offline
-    print(f"\n{model_type}: engine accept length {vllm['eagle3']['speculative']['mean_accept_length']:.3f}, "
-          f"offline {offline:.3f}, per position {vllm['eagle3']['speculative']['acceptance_rate_per_position']}")
+    assert check["offline_mean_accept_length"] == pytest.approx(offline)
+    print(f"\n{model_type}: engine accept length {check['engine_mean_accept_length']:.3f}, offline {offline:.3f} "
+          f"on the same {check['prompts']} prompts; per position engine/offline "
+          f"{[(row['engine']['accepted'], row['offline']['accepted'], row['engine']['drafted']) for row in check['positions']]}")
+
+
+def test_vllm_serves_gpt_oss_with_its_drafter_faithfully_through_completions(family_runs: dict[str, RunConfig]) -> None:
+    """gpt-oss through `/v1/completions` with our rendered token ids (vLLM's chat endpoint renders Harmony): the
+    target with and without the drafter gives the same greedy text, and the drafting engine agrees with offline."""
+    if not VLLM_PYTHON.is_file():
+        pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
+    from tasks import benchmark
+    from tasks.serving.agreement import run_agreement
+    from tasks.serving.engine import serve
+    from tasks.serving.serving_setting import ServingSetting
+
+    cfg = family_runs["gpt_oss"]
+    steps, prompts = cfg.evaluation.steps, benchmark.agreement_prompts(cfg)
+    replies = {}
+    for variant, draft in (("baseline", None), ("eagle3", cfg.output_path / "draft" / "vllm")):
+        launch = benchmark.engine_launch(cfg, "vllm", f"completions-{variant}", draft, ServingSetting(steps))
+        with serve(launch) as engine:
+            replies[variant] = run_agreement(engine, "vllm", prompts, cfg.evaluation.max_new_tokens,
+                                             cfg.evaluation.temperature)
+    assert [row["text"] for row in replies["eagle3"]] == [row["text"] for row in replies["baseline"]], "greedy equal"
+    assert all(row["output_tokens"] for row in replies["baseline"]) and sum(row["drafts"] for row in replies["eagle3"])
+    check = benchmark.check_agreement(cfg, "vllm", [benchmark.VariantRun("eagle3", {"agreement": replies["eagle3"]})],
+                                      steps)
+    assert check["status"] == "ok", check
+    print(f"\ngpt_oss: engine accept length {check['engine_mean_accept_length']:.3f}, offline "
+          f"{check['offline_mean_accept_length']:.3f} on the same {check['prompts']} prompts")
 
 
 def test_sglangs_loader_fills_every_parameter_of_every_family_export(family_runs: dict[str, RunConfig]) -> None:
