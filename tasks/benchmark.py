@@ -64,7 +64,7 @@ from contract.config import RunConfig
 from contract.records import PromptRecord
 from tasks.common.artifacts import read_json, save_figure, write_json, write_jsonl
 from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve, serve_together
-from tasks.data.held_out import select_records, turn_prefixes
+from tasks.data.held_out import eval_prompts, select_records, turn_prefixes
 from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
 from tasks.serving.agreement import agreement_verdict, engine_counts, offline_counts, run_agreement
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
@@ -232,7 +232,6 @@ def agreement_prompts(cfg: RunConfig) -> list[Any]:
     """The offline evaluation's prompts, rendered and tokenised exactly as evaluate renders them; none without an
     offline evaluation to agree with."""
     from tasks.common.target_info import load_tokenizer
-    from tasks.evaluate import eval_prompts
 
     out = cfg.output_path
     if not (out / OFFLINE_ACCEPTANCE).is_file():

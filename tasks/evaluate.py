@@ -29,38 +29,14 @@ from typing import Any, Optional
 
 import torch
 
-from contract.chat_rendering import RenderedConversation, render_samples
 from contract.config import RunConfig
 from tasks.common.artifacts import read_json, save_figure, write_json
 from tasks.common.progress import advance, progress_bar
 from tasks.common.target_info import load_target_model, load_tokenizer
-from tasks.data.held_out import select_records
-
-LENGTH_BUCKETS = (256, 512, 1024)
-
+from tasks.data.held_out import EvalPrompt, eval_prompts
 
 class GreedyMismatch(RuntimeError):
     """Speculative decoding changed a greedy output: the decoder or the drafter's contract is broken."""
-
-
-@dataclass
-class EvalPrompt:
-    id: str
-    turn: int
-    source: str
-    category: str
-    input_ids: list[int]
-
-    @property
-    def key(self) -> str:
-        return f"{self.id}#turn{self.turn}"
-
-    @property
-    def length_bucket(self) -> str:
-        for bound in LENGTH_BUCKETS:
-            if len(self.input_ids) < bound:
-                return f"<{bound}"
-        return f">={LENGTH_BUCKETS[-1]}"
 
 
 @dataclass
@@ -166,30 +142,6 @@ def decode_modes(cfg: RunConfig) -> list[DecodeMode]:
     if settings.topk > 1:
         modes.append(DecodeMode("tree", settings.steps, settings.topk, settings.num_draft_tokens))
     return modes
-
-
-def eval_prompts(path: Path, tokenizer: Any, max_length: int, max_records: Optional[int],
-                 sources: Optional[list[str]] = None) -> list[EvalPrompt]:
-    """One prompt per supervised assistant turn of each held-out record from `sources` (all when None);
-    with `max_records`, that many records evenly spaced through the file (so every category is sampled)."""
-    prompts: list[EvalPrompt] = []
-    for record in select_records(path, max_records, sources):
-        starts = [start for sample in render_samples(tokenizer, record, "as_finished")  # only prompts are used
-                  for start in sample_prompts(sample.rendered)]
-        for turn, (text, start) in enumerate(starts, start=1):
-            ids = tokenizer(text[:start], add_special_tokens=False)["input_ids"]
-            if len(ids) >= max_length:
-                break  # later turns are longer still
-            prompts.append(EvalPrompt(record.id, turn, record.source, record.metadata.get("category", "-"), ids))
-    if not prompts:
-        wanted = f" from sources {sources}" if sources else ""
-        raise ValueError(f"{path}: no evaluation prompt{wanted} (no supervised assistant turn within {max_length} tokens)")
-    return prompts
-
-
-def sample_prompts(rendered: RenderedConversation) -> list[tuple[str, int]]:
-    """(text, where each supervised turn starts) of one rendered sample: the prompt is the text before it."""
-    return [(rendered.text, start) for start, _ in rendered.spans]
 
 
 def load_drafter(cfg: RunConfig, target: Any) -> Any:

@@ -1,7 +1,7 @@
 """Every supported target family end to end on real engines: a tiny random target of each (tests/tiny_families.py)
 goes through target -> capture -> train -> export -> evaluate; vLLM's CPU build serves it with and without the
-drafter (greedy outputs equal, speculative counters move, engine acceptance within registry.engine_tolerance of
-our offline decoder's); SGLang's own loader fills every parameter of each export; each draft config carries the
+drafter (greedy outputs equal, speculative counters move, the engine-agreement check passes against our offline
+decoder on the same prompts); SGLang's own loader fills every parameter of each export; each draft config carries the
 family's attention shape, RoPE and norm epsilon, with a dense MLP.
 """
 

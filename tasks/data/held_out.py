@@ -1,15 +1,65 @@
-"""The held-out records that evaluate decodes, benchmark serves and register fingerprints.
+"""The held-out records that evaluate decodes, benchmark serves and register fingerprints, and the prompts made
+of them.
 
-All three stages must see exactly the same prompts, so they all select them here.
+All three stages must see exactly the same prompts, so they all select them here; the benchmark's agreement run
+replays `eval_prompts` (the very token ids evaluate decodes) on the engine.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from contract.chat_rendering import is_supervised
+from contract.chat_rendering import RenderedConversation, is_supervised, render_samples
 from contract.records import Message, PromptRecord, read_prompt_records
+
+
+LENGTH_BUCKETS = (256, 512, 1024)
+
+
+@dataclass
+class EvalPrompt:
+    id: str
+    turn: int
+    source: str
+    category: str
+    input_ids: list[int]
+
+    @property
+    def key(self) -> str:
+        return f"{self.id}#turn{self.turn}"
+
+    @property
+    def length_bucket(self) -> str:
+        for bound in LENGTH_BUCKETS:
+            if len(self.input_ids) < bound:
+                return f"<{bound}"
+        return f">={LENGTH_BUCKETS[-1]}"
+
+
+def eval_prompts(path: Path, tokenizer: Any, max_length: int, max_records: Optional[int],
+                 sources: Optional[list[str]] = None) -> list[EvalPrompt]:
+    """One prompt per supervised assistant turn of each held-out record from `sources` (all when None);
+    with `max_records`, that many records evenly spaced through the file (so every category is sampled)."""
+    prompts: list[EvalPrompt] = []
+    for record in select_records(path, max_records, sources):
+        starts = [start for sample in render_samples(tokenizer, record, "as_finished")  # only prompts are used
+                  for start in sample_prompts(sample.rendered)]
+        for turn, (text, start) in enumerate(starts, start=1):
+            ids = tokenizer(text[:start], add_special_tokens=False)["input_ids"]
+            if len(ids) >= max_length:
+                break  # later turns are longer still
+            prompts.append(EvalPrompt(record.id, turn, record.source, record.metadata.get("category", "-"), ids))
+    if not prompts:
+        wanted = f" from sources {sources}" if sources else ""
+        raise ValueError(f"{path}: no evaluation prompt{wanted} (no supervised assistant turn within {max_length} tokens)")
+    return prompts
+
+
+def sample_prompts(rendered: RenderedConversation) -> list[tuple[str, int]]:
+    """(text, where each supervised turn starts) of one rendered sample: the prompt is the text before it."""
+    return [(rendered.text, start) for start, _ in rendered.spans]
 
 
 def select_records(path: Path, max_records: Optional[int], sources: Optional[list[str]]) -> list[PromptRecord]:
