@@ -460,8 +460,7 @@ def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path)
     The eval prompts are the training prompts: the engine then generates exactly what the drafter was
     trained on, so its drafts are accepted (the point here is serving, not generalisation).
     """
-    from tasks import capture, target, train
-    from training_run import QUESTIONS, greedy_answers, record, whole_word_target, write_records
+    from training_run import self_distilled_run, whole_word_target
 
     root = tmp_path_factory.mktemp("benchmark")
     model_dir = whole_word_target(tiny_target_dir, root / "word-target")
@@ -477,14 +476,7 @@ def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path)
                                          "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}},
         "tracking": {"enabled": False},
     })
-    target.run(cfg)
-    answers = greedy_answers(cfg.output_path / "target", QUESTIONS, max_new_tokens=24)
-    rows = [record(index, question, answer) for index, (question, answer) in enumerate(zip(QUESTIONS, answers))]
-    write_records(cfg.output_path / "data" / "train.jsonl", rows)
-    write_records(cfg.output_path / "data" / "eval.jsonl", rows)
-    capture.run(cfg)
-    train.run(cfg)
-    return cfg
+    return self_distilled_run(cfg)
 
 
 @pytest.mark.slow

@@ -52,18 +52,11 @@ def family_config(root: Path, model_dir: Path) -> RunConfig:
 
 def drafted_family_run(root: Path, model_type: str) -> RunConfig:
     """target, data (the target's own greedy answers), capture, train and evaluate for one family."""
-    from tasks import capture, evaluate, target, train
-    from training_run import QUESTIONS, greedy_answers, record, whole_word_target, write_records
+    from tasks import evaluate
+    from training_run import self_distilled_run, whole_word_target
 
     source = build_family_target(model_type, root / "random")
-    cfg = family_config(root, whole_word_target(source, root / "target-source"))
-    target.run(cfg)
-    answers = greedy_answers(cfg.output_path / "target", QUESTIONS, max_new_tokens=24)
-    rows = [record(index, question, answer) for index, (question, answer) in enumerate(zip(QUESTIONS, answers))]
-    write_records(cfg.output_path / "data" / "train.jsonl", rows)
-    write_records(cfg.output_path / "data" / "eval.jsonl", rows)
-    capture.run(cfg)
-    train.run(cfg)
+    cfg = self_distilled_run(family_config(root, whole_word_target(source, root / "target-source")))
     evaluate.run(cfg)
     return cfg
 

@@ -98,6 +98,21 @@ def write_records(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+def self_distilled_run(cfg: RunConfig) -> RunConfig:
+    """target, then the target's own greedy answers to QUESTIONS as both train and eval records, capture and train:
+    the engine then generates exactly what the drafter was trained on (serving tests, not generalisation)."""
+    from tasks import train
+
+    target.run(cfg)
+    answers = greedy_answers(cfg.output_path / "target", QUESTIONS, max_new_tokens=ANSWER_TOKENS)
+    rows = [record(index, question, answer) for index, (question, answer) in enumerate(zip(QUESTIONS, answers))]
+    write_records(cfg.output_path / "data" / "train.jsonl", rows)
+    write_records(cfg.output_path / "data" / "eval.jsonl", rows)
+    capture.run(cfg)
+    train.run(cfg)
+    return cfg
+
+
 def captured_run(directory: Path, tiny_target_dir: Path, **training: Any) -> RunConfig:
     """target + train/eval jsonl (the target's answers; eval = the held-out questions) + capture under
     `directory`; returns the run config."""
