@@ -66,7 +66,8 @@ from tasks.common.artifacts import read_json, save_figure, write_json, write_jso
 from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve, serve_together
 from tasks.data.held_out import eval_prompts, select_records, turn_prefixes
 from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
-from tasks.serving.agreement import agreement_verdict, engine_counts, offline_counts, run_agreement
+from tasks.serving.agreement import (PER_POSITION_ENGINES, agreement_verdict, engine_counts, offline_counts,
+                                     run_agreement)
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
 from tasks.serving.serving_setting import ServingSetting, serving_sweep
 from tasks.serving.speedup_model import predicted_setting_speedup
@@ -133,10 +134,11 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     rows: list[dict[str, Any]] = []
     for kind in settings.engines:
         sweep = serving_sweep(kind, settings.num_speculative_tokens, settings.sglang_trees, steps)
+        replay = agreement if kind in PER_POSITION_ENGINES else agreement.without_prompts()
         if settings.engine_starts == "once":
-            baselines, drafted = measure_resident(cfg, kind, requests, sampling, sweep, agreement)
+            baselines, drafted = measure_resident(cfg, kind, requests, sampling, sweep, replay)
         else:
-            baselines, drafted = measure_per_round(cfg, kind, requests, sampling, sweep, agreement)
+            baselines, drafted = measure_per_round(cfg, kind, requests, sampling, sweep, replay)
         engines[kind] = engine_report(cfg, kind, baselines, drafted, steps)
         measured_runs = baselines + [measured for runs in drafted.values() for measured in runs]
         rows += [row for measured in measured_runs for row in request_rows(kind, measured)]
@@ -226,6 +228,10 @@ class AgreementRun:
         """Itself for the engine drafting the evaluation's chain in the first round; None for every other."""
         wanted = self.prompts and setting == ServingSetting(self.steps) and round_number == 1
         return self if wanted else None
+
+    def without_prompts(self) -> "AgreementRun":
+        """The same settings, replaying nothing (an engine without per-position counters)."""
+        return AgreementRun([], self.max_tokens, self.temperature, self.steps)
 
 
 def agreement_prompts(cfg: RunConfig) -> list[Any]:
@@ -582,15 +588,16 @@ def check_agreement(cfg: RunConfig, kind: str, runs: list[VariantRun], steps: in
         return {"status": "failed", "reason": (
             f"{kind}: the offline evaluation ({path}) is not of this drafter's chain of {steps} steps with per-position "
             "counts: rerun the evaluate stage")}
+    if kind not in PER_POSITION_ENGINES:
+        return {"status": "inconclusive", "engine_steps": steps, "offline_steps": chain["steps"], "reason": (
+            f"{kind} exposes no per-position acceptance counters (SGLang's spec_accept_length gauge is a mean): "
+            "compare on vLLM")}
     rows = next((measured.report["agreement"] for measured in runs if "agreement" in measured.report), None)
     if rows is None:
         return {"status": "skipped", "reason": f"{kind}: no agreement run at evaluation.steps {steps}"}
     settings = cfg.registry
     verdict = agreement_verdict(engine_counts(rows), offline_counts(chain), steps, settings.agreement_alpha,
                                 settings.agreement_min_drafts)
-    if kind == "sglang":
-        verdict.update(status="inconclusive", reason="SGLang exposes no per-position acceptance counters (its "
-                       "spec_accept_length gauge is a mean): compare on vLLM")
     offline_rows = {row["prompt"]: row for row in chain["per_prompt"]}
     verdict["per_prompt"] = [{"prompt": row["prompt"], "engine": row, "offline": offline_rows.get(row["prompt"])}
                              for row in rows]

@@ -39,10 +39,11 @@ class PositionCounts:
         for position, count in enumerate(accepted):
             self.accepted[position] += count
 
+    def accepted_at(self, position: int) -> float:
+        return self.accepted[position] if position < len(self.accepted) else 0.0
+
     def rate(self, position: int) -> Optional[float]:
-        if not self.drafts:
-            return None
-        return self.accepted[position] / self.drafts if position < len(self.accepted) else 0.0
+        return self.accepted_at(position) / self.drafts if self.drafts else None
 
     def mean_accept_length(self) -> Optional[float]:
         return 1.0 + sum(self.accepted) / self.drafts if self.drafts else None
@@ -62,8 +63,7 @@ def position_rows(engine: PositionCounts, offline: PositionCounts, steps: int) -
     """The per-position table: both sides' counts and rates, and the test's p-value."""
     rows = []
     for position in range(steps):
-        engine_accepted = engine.accepted[position] if position < len(engine.accepted) else 0.0
-        offline_accepted = offline.accepted[position] if position < len(offline.accepted) else 0.0
+        engine_accepted, offline_accepted = engine.accepted_at(position), offline.accepted_at(position)
         row: dict[str, Any] = {
             "position": position + 1,
             "engine": {"accepted": engine_accepted, "drafted": engine.drafts, "rate": engine.rate(position)},
@@ -130,9 +130,13 @@ def engine_counts(per_prompt: list[dict[str, Any]]) -> PositionCounts:
     return counts
 
 
+#: Engines whose metrics count accepted draft tokens per position (SGLang's gauges are means): the only ones the
+#: agreement run is worth an engine's time on.
+PER_POSITION_ENGINES = ("vllm",)
+
+
 def run_agreement(engine: Any, kind: str, prompts: Sequence[Any], max_tokens: int, temperature: float) -> list[dict[str, Any]]:
-    """Each prompt's ids through `/v1/completions`, one at a time; the engine's counters around each one.
-    SGLang exposes no per-position counters, so its rows carry none (the verdict is then inconclusive)."""
+    """Each prompt's ids through `/v1/completions`, one at a time; the engine's counters around each one."""
     rows = []
     with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
         for prompt in prompts:
