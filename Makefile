@@ -13,7 +13,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup serve-env sglang-env run test clean
+.PHONY: setup serve-env sglang-env run test test-fast clean
 
 setup: $(STAMP)
 
@@ -55,8 +55,13 @@ $(SGLANG_STAMP): tests/make_sglang_env.sh
 run: setup serve-env
 	$(BIN)/eaglet run --config params.yaml
 
+# Every tier (tests/tiers.py): unit, integration (Prefect, DVC, torchrun, scripted servers) and engine (vLLM, SGLang).
 test: setup serve-env sglang-env
 	$(BIN)/python -m pytest -q
+
+# The developer's loop: the unit tier only (no engine, no server, no subprocess), no engine environments needed.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m unit
 
 clean:
 	rm -rf $(VENV) artifacts

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_serializer, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationInfo, field_serializer,
+                      field_validator, model_validator)
 
 from contract.secrets import REDACTED
 
@@ -296,6 +296,11 @@ class CaptureConfig(Section):
         return ids
 
 
+#: training.resume_from's modes; any other value is the path of a checkpoint directory.
+RESUME_AUTO, RESUME_NONE = "auto", "none"
+RESUME_MODES = (RESUME_AUTO, RESUME_NONE)
+
+
 class TrainingConfig(Section):
     mode: Literal["offline", "online"] = "offline"
     ttt_length: int = Field(default=7, ge=1)
@@ -321,8 +326,8 @@ class TrainingConfig(Section):
     eval_interval: int = Field(default=100, ge=1)
     keep_last: int = Field(default=2, ge=1)
     resume_from: str = Field(
-        default="auto", description="auto (or latest): continue the newest checkpoint when its math fields match, "
-        "refuse when they differ; none: start over, setting the old run aside; or a checkpoint directory")
+        default=RESUME_AUTO, description="auto: continue the newest checkpoint when its math fields match, "
+        "refuse when they differ; none: start over, setting the old run aside; or a checkpoint directory's path")
     halt_after: Optional[int] = Field(
         default=None, ge=1, description="stop this invocation after N steps, as a preemption would (resume continues)"
     )
@@ -332,9 +337,13 @@ class TrainingConfig(Section):
 
     @field_validator("resume_from", mode="before")
     @classmethod
-    def null_means_none(cls, value: Any) -> Any:
-        """`resume_from: null` (the field's meaning in older configs) is `none`: start over."""
-        return "none" if value is None else value
+    def resume_mode_or_path(cls, value: Any) -> Any:
+        """A mode or a path: a bare word that is neither names no checkpoint (they live under
+        <output_dir>/checkpoints/), so a misspelt mode fails here rather than when the train stage starts."""
+        if isinstance(value, str) and (value in RESUME_MODES or Path(value).name != value):
+            return value
+        raise ValueError(f"{value!r} is not one of {', '.join(RESUME_MODES)} or the path of a checkpoint directory "
+                         "(e.g. <output_dir>/checkpoints/step-00000100)")
 
 
 def draft_tree_capacity(steps: int, topk: int) -> int:
@@ -437,16 +446,28 @@ class TrackingConfig(Section):
     experiment: str = "eaglet"
 
 
-#: The promotion gates that can go unmeasured (tasks/registry/gates.py): the names `registry.waive_gates` takes.
+#: The promotion gates that can go unmeasured (tasks/registry/gates.py): the keys `registry.waive_gates` takes.
 #: A per-engine gate (`speedup[vllm]`) is waived by its family name (`speedup`); the other gates are always measured.
 WAIVABLE_GATES = ("serving_checks", "engine_acceptance", "speedup", "no_regression")
+
+
+def waiver_reason(reason: Any) -> Any:
+    """A waiver lets a gate pass unmeasured, so the registry must be told why: a blank reason is no waiver."""
+    if reason is None or (isinstance(reason, str) and not reason.strip()):
+        raise ValueError("a waiver needs its reason: say why this gate cannot be measured (it is recorded on the "
+                         "registered version)")
+    return reason.strip() if isinstance(reason, str) else reason
+
+
+#: Why a gate may go unmeasured: the words recorded on the registered version (tag eaglet.waivers).
+WaiverReason = Annotated[str, BeforeValidator(waiver_reason)]
 
 
 class RegistryConfig(Section):
     """The MLflow registered model and the promotion gates of the register stage (tasks/registry/gates.py).
 
     A gate that could not be measured (no engine ran; a champion measured on another eval set or target revision)
-    blocks `champion` like a failed one, unless `waive_gates` names it."""
+    blocks `champion` like a failed one, unless `waive_gates` names it with the reason."""
 
     model_name: str = "eaglet-draft"
     min_accept_length: float = Field(
@@ -465,20 +486,31 @@ class RegistryConfig(Section):
         description="allowed relative drop of the offline accept length vs the champion on the same eval set")
     speedup_concurrency: Optional[int] = Field(
         default=None, ge=1, description="the benchmark concurrency level the speedup gate reads (None: the lowest)")
-    waive_gates: list[str] = Field(
-        default_factory=list,
-        description="gates that may go unmeasured and still let the version become champion (recorded as "
-        f"'waived'); any of {', '.join(WAIVABLE_GATES)}. A measured gate is judged whatever this says")
+    waive_gates: dict[str, WaiverReason] = Field(
+        default_factory=dict,
+        description="gate family -> why it cannot be measured: those gates may go unmeasured and still let the version "
+        f"become champion (recorded as 'waived', the reasons as the version's eaglet.waivers tag); keys any of "
+        f"{', '.join(WAIVABLE_GATES)}. A measured gate is judged whatever this says")
+
+    @field_validator("waive_gates", mode="before")
+    @classmethod
+    def _every_waiver_names_its_reason(cls, value: Any) -> Any:
+        """A list of gate names says no reason: refused with the mapping to write instead."""
+        if isinstance(value, (list, tuple)):
+            example = ", ".join(f"{name}: '<why>'" for name in value) or "speedup: '<why>'"
+            raise ValueError(f"a waiver needs its reason: map each gate to why it cannot be measured, e.g. "
+                             f"{{{example}}}")
+        return value
 
     @field_validator("waive_gates")
     @classmethod
-    def _only_gates_that_can_go_unmeasured(cls, names: list[str]) -> list[str]:
-        unknown = [name for name in names if name not in WAIVABLE_GATES]
+    def _only_gates_that_can_go_unmeasured(cls, waivers: dict[str, str]) -> dict[str, str]:
+        unknown = [name for name in waivers if name not in WAIVABLE_GATES]
         if unknown:
             raise ValueError(f"unknown gate(s) {', '.join(map(repr, unknown))}; the gates that can be waived are "
                              f"{', '.join(WAIVABLE_GATES)} (a per-engine gate such as speedup[vllm] by its family "
                              "name; the other gates are always measured)")
-        return names
+        return waivers
 
 
 class TrainerDeployment(Section):

@@ -2,14 +2,16 @@
 
     eaglet config show --config params.yaml training.learning_rate=3e-4
     eaglet config validate --config configs/llama31-8b-sglang.yaml
+    eaglet config validate --schema-only --config configs/llama31-8b-sglang.yaml   # on a laptop: no host checks
     eaglet config sources --config params.yaml        # data/sources.json: the source files by content (DVC)
     eaglet stage target --config params.yaml          # one stage, no Prefect (what dvc.yaml calls)
-    eaglet train --config params.yaml --resume         # the same, by the stage's own name
+    eaglet train --config params.yaml                  # the same, by the stage's own name
     eaglet run --config params.yaml                    # the Prefect flow over every stage (unchanged ones cached)
     eaglet deploy --config params.yaml --cron "0 3 * * 0"   # a scheduled deployment (see flows/deployments.py)
     eaglet registry show --config params.yaml          # versions, aliases, gates
     eaglet promote --version 3 --config params.yaml    # [--force --reason "..."]
     eaglet doctor artifacts/embedded-default/draft/sglang --target artifacts/embedded-default/target
+    eaglet dvc sync                                    # dvc.yaml's deps and params from the code (flows/dvc_sync.py)
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from rich.table import Table
 from contract.config import RunConfig
 from contract.config_loading import config_as_yaml
 from flows.cli_common import ConfigOption, OverridesArgument, check_or_exit, console, load_or_exit
+from flows.preflight import HOST_CHECKS
 from flows.deployments import add_deploy_command
+from flows.dvc_sync import add_dvc_commands
 from flows.registry_cli import add_registry_commands
 from flows.stages import STAGE_ORDER
 from tasks.common.run_lock import RunLocked, output_dir_lock
@@ -41,6 +45,7 @@ config_app = typer.Typer(help="Inspect and check run configs.", no_args_is_help=
 app.add_typer(config_app, name="config")
 add_registry_commands(app)
 add_deploy_command(app)
+add_dvc_commands(app)
 
 
 @config_app.command("show")
@@ -50,9 +55,20 @@ def config_show(config: Optional[Path] = ConfigOption, overrides: Optional[list[
 
 
 @config_app.command("validate")
-def config_validate(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument) -> None:
+def config_validate(
+    config: Optional[Path] = ConfigOption,
+    overrides: Optional[list[str]] = OverridesArgument,
+    schema_only: bool = typer.Option(False, "--schema-only", help="Check the fields and the rules between them "
+                                     "only, not this machine or the target (a cluster config on a laptop)."),
+) -> None:
     """Check a config, and it against this machine and its target; exit 2 naming every bad field."""
     cfg = load_or_exit(config, overrides)
+    if schema_only:
+        console.print(f"[yellow]not checked (--schema-only)[/yellow]: {escape(HOST_CHECKS)}", highlight=False,
+                      soft_wrap=True)
+        console.print(f"[green]ok[/green]: {config or '<defaults>'} is a valid run config on paper (run_id {cfg.run_id})",
+                      soft_wrap=True)
+        return
     report = check_or_exit(cfg, config)
     for unchecked in report.not_checked:
         console.print(f"[yellow]not checked yet[/yellow]: {escape(unchecked)}", highlight=False, soft_wrap=True)
@@ -109,11 +125,10 @@ def stage(
 def train_command(
     config: Optional[Path] = ConfigOption,
     overrides: Optional[list[str]] = OverridesArgument,
-    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint (training.resume_from=latest; "
-                                "the default, auto, does the same when one exists)."),
 ) -> None:
-    """Train the drafter (torchrun when deployment.trainer has more than one rank; several nodes: see README)."""
-    stage("train", config, [*(overrides or []), *(["training.resume_from=latest"] if resume else [])])
+    """Train the drafter (torchrun when deployment.trainer has more than one rank; several nodes: see README).
+    A rerun continues the newest matching checkpoint (training.resume_from, auto by default)."""
+    stage("train", config, overrides)
 
 
 def stage_command(name: str) -> None:
@@ -274,7 +289,7 @@ def print_summaries(summaries: dict[str, dict[str, float]]) -> None:
 
 
 for stage_name in STAGE_ORDER:
-    if stage_name != "train":  # train has its own command (--resume)
+    if stage_name != "train":  # train has its own command (its help says how it resumes)
         stage_command(stage_name)
 
 if __name__ == "__main__":

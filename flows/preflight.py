@@ -11,6 +11,7 @@ contract/config.py rejects what no machine could run. These checks need the envi
     benchmark.engines).
 The whole config is checked whichever stage starts, so that `dvc repro` stops at its first stage instead of
 at the benchmark hours later; `benchmark.engines=[]` runs the earlier stages where no engine is installed.
+`eaglet config validate --schema-only` skips them all, so a cluster config can be checked on a laptop.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from contract.config import ModelConfig, RunConfig
 from tasks.serving.engine import ENV_HINTS, resolve_python
 
 TARGET_FIELDS = "the target's architecture, capture.aux_layer_ids, capture.draft_vocab_size"
+#: What preflight checks, as `config validate --schema-only` names what it skipped.
+HOST_CHECKS = (f"{TARGET_FIELDS} against the target; deployment.trainer.nproc_per_node against this host's CUDA "
+               "devices or CPU cores; runtime.engines.<engine>.python of each engine the run starts")
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """What decides whether a stage must run again, read from dvc.yaml so that Prefect and DVC agree.
 
-A stage's cache key hashes its dvc.yaml `deps` (paths, `${output_dir}` resolved from the run config, files
-and directories hashed by content), the config fields it declares in flows/stages.py `STAGE_READS` (values from
-the resolved RunConfig; dvc.yaml's `params` list the same names) and, for ingest, the files `data.sources` names. A cached
-result is only reused while the stage's outputs (`outs`, `metrics`, `plots`) are still the ones it wrote:
-`record_outputs` stamps them after each run and `outputs_unchanged` compares (a missing file fails it).
+A stage's cache key hashes its inputs by content: the upstream artifacts its dvc.yaml `deps` list
+(`${output_dir}` resolved from the run config, files and directories) and the code it runs, derived from its
+imports by flows/stage_code.py (the same list `eaglet dvc sync` writes into dvc.yaml's deps); the config fields it
+declares in flows/stages.py `STAGE_READS` (values from the resolved RunConfig; dvc.yaml's `params` list the same
+names) and, for ingest, the files `data.sources` names. A cached result is only reused while the stage's outputs
+(`outs`, `metrics`, `plots`) are still the ones it wrote: `record_outputs` stamps them after each run and
+`outputs_unchanged` compares (a missing file fails it).
 
 Hashing reads every byte once; a memo keyed by (size, mtime, inode), like DVC's state database, keeps
 large unchanged files (target weights, feature shards) from being read again on every run.
@@ -24,6 +26,7 @@ import yaml
 
 from contract.config import RunConfig
 from contract.hashing import hash_file, hash_text
+from flows.stage_code import stage_code_deps
 from flows.stages import stage_reads
 from tasks.common.artifacts import read_json, write_json
 from tasks.data.sources import source_fingerprints
@@ -166,14 +169,20 @@ def digests(entries: Iterable[str], cfg: RunConfig, memo: HashMemo) -> dict[str,
     return {entry: memo.path_digest(resolve_path(entry, cfg)) for entry in entries}
 
 
+def data_deps(name: str) -> tuple[str, ...]:
+    """The upstream artifacts stage `name` reads: its dvc.yaml deps under `${output_dir}`."""
+    return tuple(dep for dep in stage_spec(name).deps if dep.startswith(OUTPUT_DIR_VARIABLE))
+
+
 def stage_cache_key(name: str, cfg: RunConfig) -> str:
-    """The hash of everything stage `name` reads: its dvc.yaml deps by content, its declared config fields
-    (flows/stages.py STAGE_READS, which dvc.yaml's params mirror) by value, and for ingest the source files."""
-    spec, reads = stage_spec(name), stage_reads(name)
+    """The hash of everything stage `name` reads: its upstream artifacts and its code (flows/stage_code.py) by
+    content, its declared config fields (flows/stages.py STAGE_READS, which dvc.yaml's params mirror) by value,
+    and for ingest the source files."""
+    reads = stage_reads(name)
     memo = open_memo(cfg)
     inputs: dict[str, Any] = {
         "stage": name,
-        "deps": digests(spec.deps, cfg, memo),
+        "deps": digests([*data_deps(name), *stage_code_deps(name)], cfg, memo),
         "params": {param: param_value(cfg, param) for param in reads.params},
     }
     if reads.source_files:

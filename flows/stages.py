@@ -2,9 +2,9 @@
 
 The same names are used by the CLI (`eaglet stage NAME`), the Prefect flow and dvc.yaml. `STAGE_READS` is the one
 place a stage declares the config fields it reads: the Prefect cache key hashes exactly these
-(flows/stage_cache.py), dvc.yaml's `params` must list exactly these (tests/test_pipeline.py checks, and prints the
-block to paste), and tests/test_stage_reads.py runs every stage with a config that records each field read and
-fails on one not declared here.
+(flows/stage_cache.py), dvc.yaml's `params` list exactly these (`eaglet dvc sync` writes them, tests/test_pipeline.py
+checks), and tests/test_stage_reads.py runs every stage with a config that records each field read and fails on one
+declared neither here nor as a stage's `not_inputs`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, get_args
 
 from contract.config import RunConfig, StageName
+from tasks.data.reply_settings import not_reply_fields, reply_fields
 
 STAGE_ORDER: tuple[str, ...] = get_args(StageName)
 
@@ -25,6 +26,7 @@ class StageReads:
 
     params: tuple[str, ...]
     source_files: bool = False
+    not_inputs: tuple[str, ...] = ()  # fields this stage reads that change none of its outputs (besides NOT_INPUTS)
 
 
 #: Read by stages but not inputs of their results: where artifacts go (every path dvc.yaml lists hangs off
@@ -34,16 +36,17 @@ NOT_INPUTS: tuple[str, ...] = ("output_dir", "tracking", "runtime.threads")
 STAGE_READS: dict[str, StageReads] = {
     "target": StageReads(("run_id", "model", "runtime.cache_dir")),
     "ingest": StageReads(("data",), source_files=True),
-    "regenerate": StageReads(("model.chat_template_kwargs", "regeneration", "model.dtype", "model.trust_remote_code",
-                              "runtime.device", "runtime.engines")),
-    "validate": StageReads(("model.chat_template_kwargs", "validation", "regeneration", "run_id",
+    # what changes the target's replies, not how requests travel (tasks/data/reply_settings.py; the journal agrees)
+    "regenerate": StageReads(reply_fields(), not_inputs=not_reply_fields()),
+    "validate": StageReads(("model.chat_template_kwargs", "validation", "regeneration.reasoning", "run_id",
                             "model.trust_remote_code")),
     "capture": StageReads(("model.chat_template_kwargs", "capture", "validation.max_length", "validation.cut_turns",
                            "model.dtype", "model.trust_remote_code", "runtime.device", "training.mode",
                            "runtime.engines")),
-    "train": StageReads(("model.chat_template_kwargs", "training", "deployment.trainer", "capture", "regeneration",
-                         "model.trust_remote_code", "model.dtype", "runtime.device", "runtime.seed", "runtime.engines",
-                         "validation.max_length", "validation.cut_turns")),  # online training captures itself
+    # online training captures itself
+    "train": StageReads(("model.chat_template_kwargs", "training", "deployment.trainer", "capture",
+                         "regeneration.reasoning", "model.trust_remote_code", "model.dtype", "runtime.device",
+                         "runtime.seed", "runtime.engines", "validation.max_length", "validation.cut_turns")),
     "evaluate": StageReads(("model.chat_template_kwargs", "evaluation", "validation.max_length", "model.dtype",
                             "model.trust_remote_code", "runtime.device", "runtime.seed")),
     "benchmark": StageReads(("model.chat_template_kwargs", "benchmark", "evaluation", "registry.agreement_alpha",

@@ -28,21 +28,26 @@ What the stage checks (a failure is written to the report first, then raised as 
   - every request completed;
   - the drafter drafted: the engine's speculative counters moved;
   - greedy outputs (temperature 0) are identical with and without the drafter, request for request;
-  - the engine's mean acceptance length is within `registry.engine_tolerance` (relative) of the offline
-    evaluation `evaluate/acceptance.json` ({"chain": {"steps", "mean_accept_length"}}) when that exists.
-    Far off means the engine is not drafting from what the drafter was trained on: aux layer ids
-    (docs/architecture.md §3), chat template or vocab mapping.
+  - the engine drafts what the offline evaluation `evaluate/acceptance.json` measured, when that exists: its
+    prompts (same token ids, budget and temperature) are replayed on the engine drafting the evaluation's chain and
+    compared with a test at `registry.agreement_alpha`: per draft position on vLLM (tasks/serving/agreement.py), on
+    tokens per verify round over SGLang's /generate (tasks/serving/totals_agreement.py). A significant difference
+    fails: the engine is not drafting from what the drafter was trained on (aux layer ids, docs/architecture.md §3,
+    chat template or vocab mapping). Too few drafts is "inconclusive", no comparison "skipped": the register stage
+    blocks `champion` on either unless `registry.waive_gates` gives `engine_acceptance` its reason.
 
 Acceptance: vLLM counts drafts, draft tokens and accepted tokens (also per draft position); counters are
 read before and after each level, so each level has its own numbers: mean acceptance length =
 accepted / drafts + 1, acceptance rate at position i = accepted_i / drafts. SGLang only exposes gauges
-(`sglang:spec_accept_length`, `sglang:spec_accept_rate`: its recent average), read after each level.
+(`sglang:spec_accept_length`, `sglang:spec_accept_rate`: its recent average), read after each level; its agreement
+replay reads each request's own verify rounds from `/generate` instead.
 
 Writes
   benchmark/report.json      settings, per engine and variant: startup time, peak RSS of the engine's
                              process tree, per level throughput and latency percentiles, every round,
                              acceptance over all rounds; speedup per level (median, min, max, per round),
-                             greedy comparison, acceptance check, failures
+                             greedy comparison, acceptance check, failures (contract/reports.py's
+                             BenchmarkReport, validated before it is written)
   benchmark/requests.jsonl   one row per request (engine, variant, round, level, timings, text)
   benchmark/serving.png      output tok/s and TPOT P50 per concurrency, with and without the drafter
   benchmark/logs/<engine>-<variant>[-round<N>].log   engine logs
@@ -62,12 +67,14 @@ from typing import Any, Optional
 
 from contract.config import RunConfig
 from contract.records import PromptRecord
+from contract.reports import AcceptanceReport, BenchmarkReport, load_report
 from tasks.common.artifacts import read_json, save_figure, write_json, write_jsonl
 from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve, serve_together
 from tasks.data.held_out import eval_prompts, select_records, turn_prefixes
 from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
-from tasks.serving.agreement import (PER_POSITION_ENGINES, agreement_verdict, engine_counts, offline_counts,
+from tasks.serving.agreement import (AGREEMENT_CHECKS, agreement_verdict, engine_counts, offline_counts,
                                      run_agreement)
+from tasks.serving.totals_agreement import engine_rounds, offline_rounds, replay_generate, totals_verdict
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
 from tasks.serving.serving_setting import ServingSetting, serving_sweep
 from tasks.serving.speedup_model import predicted_setting_speedup
@@ -134,7 +141,7 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     rows: list[dict[str, Any]] = []
     for kind in settings.engines:
         sweep = serving_sweep(kind, settings.num_speculative_tokens, settings.sglang_trees, steps)
-        replay = agreement if kind in PER_POSITION_ENGINES else agreement.without_prompts()
+        replay = agreement if kind in AGREEMENT_CHECKS else agreement.without_prompts()
         if settings.engine_starts == "once":
             baselines, drafted = measure_resident(cfg, kind, requests, sampling, sweep, replay)
         else:
@@ -180,6 +187,13 @@ def check_inputs(cfg: RunConfig) -> None:
     for path, hint in needed:
         if not path.exists():
             raise FileNotFoundError(f"benchmark needs {path}: {hint}")
+    offline_report(cfg)  # a stale or hand-edited evaluation report fails here, not after the engines ran
+
+
+def offline_report(cfg: RunConfig) -> Optional[AcceptanceReport]:
+    """The offline evaluation the engines are compared with; None before the evaluate stage ran."""
+    path = cfg.output_path / OFFLINE_ACCEPTANCE
+    return load_report(AcceptanceReport, path, "evaluate") if path.is_file() else None
 
 
 def build_requests(records: list[PromptRecord], count: int) -> list[ChatRequest]:
@@ -230,7 +244,7 @@ class AgreementRun:
         return self if wanted else None
 
     def without_prompts(self) -> "AgreementRun":
-        """The same settings, replaying nothing (an engine without per-position counters)."""
+        """The same settings, replaying nothing (an engine no agreement check can measure)."""
         return AgreementRun([], self.max_tokens, self.temperature, self.steps)
 
 
@@ -327,9 +341,15 @@ def measure_levels(cfg: RunConfig, kind: EngineKind, engine: RunningEngine, vari
             measured.results[concurrency] = results
     measured.report["peak_rss_mib"] = memory.peak_bytes / 2**20
     if agreement is not None:
-        measured.report["agreement"] = run_agreement(engine, kind, agreement.prompts, agreement.max_tokens,
-                                                     agreement.temperature)
+        measured.report["agreement"] = replay_agreement(engine, kind, agreement)
     return measured
+
+
+def replay_agreement(engine: RunningEngine, kind: EngineKind, agreement: AgreementRun) -> list[dict[str, Any]]:
+    """The evaluation's prompts on the engine, read the way its agreement check needs them."""
+    if AGREEMENT_CHECKS[kind] == "totals":
+        return replay_generate(engine.root_url, agreement.prompts, agreement.max_tokens, agreement.temperature)
+    return run_agreement(engine, kind, agreement.prompts, agreement.max_tokens, agreement.temperature)
 
 
 def warm_up(engine: RunningEngine, request: ChatRequest) -> None:
@@ -410,8 +430,8 @@ def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafte
     `eagle3` and `speedup` are those of the recommended setting (what the speedup gate judges); the engine's
     acceptance is compared with the offline evaluation at its own chain length `steps`."""
     failures = [failure for measured in baselines for failure in failed_requests(kind, measured)]
-    offline_path = cfg.output_path / OFFLINE_ACCEPTANCE
-    offline = read_json(offline_path) if offline_path.is_file() else None
+    evaluation = offline_report(cfg)
+    offline = evaluation.as_json() if evaluation is not None else None
     per_setting = {}
     for setting, runs in drafted.items():
         failures += [failure for measured in runs for failure in failed_requests(kind, measured)]
@@ -426,8 +446,8 @@ def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafte
         contract = check_agreement(cfg, kind, drafted[offline_chain], steps)
     else:
         chains = sorted(setting.steps for setting in per_setting if setting.is_chain)
-        contract = {"status": "skipped", "reason": f"benchmark.num_speculative_tokens {chains} does not "
-                    f"include evaluation.steps {steps}, the chain the offline evaluation measured"}
+        contract = {"status": "skipped", "reason": f"benchmark.num_speculative_tokens {chains} does not include "
+                    f"evaluation.steps {steps}, the chain the offline evaluation measured"}
     if contract["status"] == "failed":
         failures.append(contract["reason"])
     best = recommended_setting(cfg, per_setting)
@@ -578,31 +598,37 @@ def mismatch_message(kind: str, mismatches: list[dict[str, Any]]) -> str:
 
 
 def check_agreement(cfg: RunConfig, kind: str, runs: list[VariantRun], steps: int) -> dict[str, Any]:
-    """The engine's agreement run against the offline evaluation of the same drafter (tasks/serving/agreement.py)."""
-    path = cfg.output_path / OFFLINE_ACCEPTANCE
-    if not path.is_file():
-        return {"status": "skipped", "reason": f"no offline evaluation at {path}"}
-    offline = read_json(path)
-    chain = offline["chain"]
-    if chain["steps"] != steps or "accepted_per_position" not in chain:
+    """The engine's agreement run against the offline evaluation of the same drafter: per position on vLLM
+    (tasks/serving/agreement.py), on totals on SGLang (tasks/serving/totals_agreement.py). A check that could not
+    measure anything says so ("skipped", "inconclusive"): whether that may pass is the registry's call
+    (`registry.waive_gates`), not the benchmark's, so a waiver never reruns the engines."""
+    offline = offline_report(cfg)
+    if offline is None:
+        return {"status": "skipped", "reason": f"no offline evaluation at {cfg.output_path / OFFLINE_ACCEPTANCE}"}
+    chain = offline.chain
+    if chain.steps != steps:
         return {"status": "failed", "reason": (
-            f"{kind}: the offline evaluation ({path}) is not of this drafter's chain of {steps} steps with per-position "
-            "counts: rerun the evaluate stage")}
-    if kind not in PER_POSITION_ENGINES:
-        return {"status": "inconclusive", "engine_steps": steps, "offline_steps": chain["steps"], "reason": (
-            f"{kind} exposes no per-position acceptance counters (SGLang's spec_accept_length gauge is a mean): "
-            "compare on vLLM")}
+            f"{kind}: the offline evaluation ({cfg.output_path / OFFLINE_ACCEPTANCE}) is not of this drafter's chain "
+            f"of {steps} steps: rerun the evaluate stage")}
+    method = AGREEMENT_CHECKS.get(kind)
+    if method is None:
+        return {"status": "inconclusive", "reason": (
+            f"{kind} reports neither per-position acceptance counters nor per-request verify rounds")}
     rows = next((measured.report["agreement"] for measured in runs if "agreement" in measured.report), None)
     if rows is None:
         return {"status": "skipped", "reason": f"{kind}: no agreement run at evaluation.steps {steps}"}
     settings = cfg.registry
-    verdict = agreement_verdict(engine_counts(rows), offline_counts(chain), steps, settings.agreement_alpha,
-                                settings.agreement_min_drafts)
-    offline_rows = {row["prompt"]: row for row in chain["per_prompt"]}
-    verdict["per_prompt"] = [{"prompt": row["prompt"], "engine": row, "offline": offline_rows.get(row["prompt"])}
-                             for row in rows]
-    verdict.update(engine_steps=steps, offline_steps=chain["steps"], prompts=len(rows),
-                   max_new_tokens=offline["max_new_tokens"], temperature=offline["temperature"])
+    if method == "totals":
+        verdict = totals_verdict(engine_rounds(rows), offline_rounds(chain.per_prompt), settings.agreement_alpha,
+                                 settings.agreement_min_drafts)
+    else:
+        verdict = agreement_verdict(engine_counts(rows), offline_counts(chain), steps, settings.agreement_alpha,
+                                    settings.agreement_min_drafts)
+        offline_rows = {row.prompt: row.model_dump() for row in chain.per_prompt}
+        verdict["per_prompt"] = [{"prompt": row["prompt"], "engine": row, "offline": offline_rows.get(row["prompt"])}
+                                 for row in rows]
+    verdict.update(check=method, engine_steps=steps, offline_steps=chain.steps, prompts=len(rows),
+                   max_new_tokens=offline.max_new_tokens, temperature=offline.temperature)
     if verdict["status"] == "failed":
         verdict["reason"] = mismatch_hint(cfg.output_path, kind, verdict["reason"])
     return verdict
@@ -644,6 +670,9 @@ def request_rows(kind: str, measured: VariantRun) -> list[dict[str, Any]]:
 
 
 def write_outputs(directory: Path, report: dict[str, Any], rows: list[dict[str, Any]]) -> BenchmarkResult:
+    """report.json (checked against contract/reports.py's BenchmarkReport first: what register reads), the
+    per-request rows and the plot."""
+    report = BenchmarkReport.model_validate(report).as_json()
     report_path = directory / "report.json"
     requests_path = directory / "requests.jsonl"
     write_jsonl(requests_path, rows)

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 from contract.chat_rendering import TURN_SUFFIX
 from contract.config import RunConfig
+from contract.hashing import hash_file
 from contract.records import Outcome, StageReport
 from tasks.common.artifacts import write_json
 from tasks.common.progress import advance, progress_bar
@@ -38,7 +39,6 @@ from tasks.features.engine_states import (LAYER_CONVENTION, EngineStates, captur
                                           engine_version)
 from tasks.features.manifest import build_manifest
 from tasks.features.preparation import SPLITS, CaptureInputs, prepare_inputs
-from tasks.features.shards import file_sha256
 from tasks.features.state_sources import LocalStates, StateSource
 from tasks.features.writer import ShardPlan, plan_shards, remove_stale_files, shard_is_current, write_shard
 
@@ -131,7 +131,7 @@ def run(cfg: RunConfig) -> CaptureResult:
         remove_stale_files(features_dir, plans)
 
     manifest_path = features_dir / "manifest.json"
-    hashes = {plan.path: file_sha256(plan.path) for plan in kept}
+    hashes = {plan.path: hash_file(plan.path) for plan in kept}
     producer = previous_producer(manifest_path, cfg)
     seconds = 0.0
     if todo:

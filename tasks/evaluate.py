@@ -13,9 +13,10 @@ cache, mask and position code, so a bug there cannot agree with itself) and by s
 Greedy (temperature 0) outputs must equal the target's token for token: a mismatch fails the stage after the
 report is written, naming the prompts.
 
-Writes `evaluate/acceptance.json` (per mode: mean acceptance length, acceptance by depth, accepted-length
-histogram, drafted tokens per round, draft/verify time split, tokens per target forward; buckets by source,
-category and prompt length), `evaluate/acceptance_by_depth.png` and `evaluate/accept_length_histogram.png`.
+Writes `evaluate/acceptance.json` (contract/reports.py's AcceptanceReport, validated before writing; per mode: mean
+acceptance length, acceptance by depth, accepted-length histogram, drafted tokens per round, draft/verify time split,
+tokens per target forward; per prompt the rounds, accepted tokens per position and tokens emitted, which the
+benchmark's engine agreement checks compare with; buckets by source, category and prompt length), `evaluate/acceptance_by_depth.png` and `evaluate/accept_length_histogram.png`.
 
     .venv/bin/eaglet stage evaluate --config params.yaml
 """
@@ -30,6 +31,7 @@ from typing import Any, Optional
 import torch
 
 from contract.config import RunConfig
+from contract.reports import AcceptanceReport, ModeAcceptance
 from tasks.common.artifacts import read_json, save_figure, write_json
 from tasks.common.progress import advance, progress_bar
 from tasks.common.target_info import load_target_model, load_tokenizer
@@ -73,17 +75,20 @@ class ModeTotals:
         self.verify_seconds += stats.verify_seconds
         self.wall_seconds += seconds
         self.per_prompt.append({"prompt": prompt.key, "rounds": stats.rounds,
-                                "accepted_per_position": accepted_counts(stats.accept_lengths, self.mode.steps)})
+                                "accepted_per_position": accepted_counts(stats.accept_lengths, self.mode.steps),
+                                "generated_tokens": stats.generated_tokens})
         for bucket in (f"source={prompt.source}", f"category={prompt.category}",
                        f"prompt_tokens{prompt.length_bucket}", f"turn={prompt.turn}"):
             self.buckets.setdefault(bucket, []).extend(stats.accept_lengths)
 
-    def report(self) -> dict[str, Any]:
+    def report(self, target_tokens_per_second: float) -> ModeAcceptance:
+        """The mode's section of the report; its speed against the target alone at `target_tokens_per_second`."""
         rounds = len(self.accept_lengths)
         histogram = {str(length): self.accept_lengths.count(length) for length in range(1, self.mode.steps + 2)}
         by_depth = [count / rounds if rounds else 0.0 for count in accepted_counts(self.accept_lengths, self.mode.steps)]
         busy = self.draft_seconds + self.verify_seconds
-        return {
+        tokens_per_second = self.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
+        return ModeAcceptance.model_validate({
             "steps": self.mode.steps, "topk": self.mode.topk, "num_draft_tokens": self.mode.num_draft_tokens,
             "rounds": rounds, "mean_accept_length": mean(self.accept_lengths),
             "acceptance_by_depth": by_depth, "accept_length_histogram": histogram,
@@ -94,10 +99,11 @@ class ModeTotals:
             "tokens_per_target_forward": self.generated_tokens / self.target_forwards if self.target_forwards else 0.0,
             "draft_time_share": self.draft_seconds / busy if busy else 0.0,
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
-            "tokens_per_second": self.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0,
+            "tokens_per_second": tokens_per_second,
             "buckets": {name: {"rounds": len(values), "mean_accept_length": mean(values)}
                         for name, values in sorted(self.buckets.items())},
-        }
+            "speedup_vs_target": tokens_per_second / target_tokens_per_second if target_tokens_per_second else 0.0,
+        })
 
 
 def accepted_counts(accept_lengths: list[int], steps: int) -> list[int]:
@@ -194,20 +200,16 @@ def run(cfg: RunConfig) -> EvaluationResult:
                 if settings.temperature == 0.0 and tokens != expected:
                     mismatches.append(mismatch(prompt, mode, expected, tokens))
                 advance(bar, 1)
-    report = {
-        "prompts": len(prompts), "records": len({prompt.id for prompt in prompts}),
-        "temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens,
-        "drafter": str(out / "draft" / "sglang"),
-        "target": {"generated_tokens": baseline_tokens,
-                   "tokens_per_second": baseline_tokens / baseline_seconds if baseline_seconds else 0.0},
-        **{name: mode_totals.report() for name, mode_totals in totals.items()},
-        "greedy_equivalence": "not checked (temperature > 0)" if settings.temperature else
-                              ("passed" if not mismatches else "failed"),
-        "greedy_mismatches": mismatches,
-    }
-    for name in totals:
-        report[name]["speedup_vs_target"] = (report[name]["tokens_per_second"] / report["target"]["tokens_per_second"]
-                                            if report["target"]["tokens_per_second"] else 0.0)
+    target_rate = baseline_tokens / baseline_seconds if baseline_seconds else 0.0
+    report = AcceptanceReport(
+        prompts=len(prompts), records=len({prompt.id for prompt in prompts}), temperature=settings.temperature,
+        max_new_tokens=settings.max_new_tokens, drafter=str(out / "draft" / "sglang"),
+        target={"generated_tokens": baseline_tokens, "tokens_per_second": target_rate},
+        **{name: mode_totals.report(target_rate) for name, mode_totals in totals.items()},
+        greedy_equivalence="not checked (temperature > 0)" if settings.temperature else
+                           ("passed" if not mismatches else "failed"),
+        greedy_mismatches=mismatches,
+    ).as_json()
     report_path = out / "evaluate" / "acceptance.json"
     write_json(report_path, report)
     plots = plot_acceptance(report, out / "evaluate")

@@ -40,6 +40,7 @@ from contract.secrets import redacted_url, unredacted_mapping
 from tasks.common.artifacts import read_json, write_json, write_jsonl
 from tasks.data.generation import GenerationReply, GenerationRequest, Generator
 from tasks.data.journal import Journal
+from tasks.data.reply_settings import reply_settings
 from tasks.common.progress import advance, progress_bar
 
 
@@ -173,12 +174,13 @@ def generation_params(cfg: RunConfig, target_info: dict[str, Any]) -> Generation
 
 
 def settings_fingerprint(params: GenerationParams, cfg: RunConfig) -> str:
-    """Identifies the target and generation settings; a journal written under others is not resumed. Scheduling
-    and credentials change no generation, so a new key or more concurrency resumes the journal."""
+    """Identifies the target and the settings that change replies (tasks/data/reply_settings.py, which keys the
+    stage's cache too); a journal written under others is not resumed. Transport, credentials and scheduling change
+    no reply, so a longer timeout, a dropped replica or a new port resumes it. `params.backend` names the servers,
+    so it is left out: the backend kind and engine are among the reply settings."""
     digest = hashlib.sha256()
-    digest.update(params.model_dump_json().encode())
-    digest.update(cfg.regeneration.model_dump_json(exclude={"concurrency", "chunk_records", "batch_size", "engine_env",
-                                                            "api_key", "api_key_env", "headers"}).encode())
+    digest.update(params.model_dump_json(exclude={"backend"}).encode())
+    digest.update(json.dumps(reply_settings(cfg), sort_keys=True).encode())
     return digest.hexdigest()
 
 
@@ -430,9 +432,3 @@ def throughput(stats: dict[str, float]) -> dict[str, float]:
         "records_per_second": round(stats["records"] / seconds, 3) if seconds else 0.0,
         **{key: value for key, value in stats.items() if key.startswith("endpoint_")},
     }
-
-
-def load_regenerated(path: Path) -> list[PromptRecord]:
-    """Read regenerated.jsonl back (for tests and later stages)."""
-    with open(path, encoding="utf-8") as handle:
-        return [PromptRecord.model_validate(json.loads(line)) for line in handle]

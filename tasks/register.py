@@ -5,7 +5,9 @@ does), `evaluate/acceptance.json`, and when they exist `benchmark/report.json`, 
 and the Data Docs `reports/data_docs/index.html`. Missing exports or evaluation fail the stage naming the
 file and the stage to run; a failed gate does not: the version is registered and keeps alias `candidate`.
 Neither does a gate that could not be measured (no engine ran; a champion measured on another eval set or target
-revision): it withholds `champion` the same way unless `registry.waive_gates` names it.
+revision): it withholds `champion` the same way unless `registry.waive_gates` names it with the reason it cannot be
+measured (kept, for the gates it let through, as the version's `eaglet.waivers` tag). The stage reports are read
+through contract/reports.py, so a report missing a field fails naming the file and the field.
 
 MLflow 3 (docs/architecture.md §7): the checkpoint folder is a logged model (`initialize_logged_model`, the two engine
 folders, `contract.json` and the reports as its artifacts, `finalize_logged_model`), registered under
@@ -17,7 +19,7 @@ keeps `previous`. Runs inside the pipeline's MLflow run when there is one, else 
 is registered.
 
 Writes `register/registration.json` (version, aliases, each gate with its measured value and threshold, the gates
-that withheld `champion` and the ones waived).
+that withheld `champion` and the ones waived, with the waivers' reasons).
 
     .venv/bin/eaglet stage register --config params.yaml
     .venv/bin/eaglet registry show --config params.yaml
@@ -38,13 +40,14 @@ from typing import Any, Iterator, Optional
 from contract.checkpoint import ENGINES, EXPORT_FILES, CheckpointContract, ContractMismatch
 from contract.config import RunConfig
 from contract.hashing import hash_text
+from contract.reports import AcceptanceReport, BenchmarkReport, load_report
 from tasks.common.artifacts import read_json, write_json
 from tasks.registry.doctor import inspect_checkpoint
 from tasks.registry.gates import (Gate, GateInputs, blocking_lines, evaluate_gates, gates_passed, offline_accept_length,
-                                  waived_names)
+                                  speedup_row, waived_names, waivers_used)
 from tasks.registry.store import (CANDIDATE, CHAMPION, TAG_ACCEPT_LENGTH, TAG_EVAL_FINGERPRINT, TAG_FAILED_GATES,
-                                  TAG_GATES, TAG_GATES_PASSED, TAG_RECOMMENDED_SERVING, TAG_SPEEDUP, aliases_of,
-                                  current_champion, promote_version)
+                                  TAG_GATES, TAG_GATES_PASSED, TAG_RECOMMENDED_SERVING, TAG_SPEEDUP, TAG_WAIVERS,
+                                  aliases_of, current_champion, promote_version)
 
 ACCEPTANCE_REPORT = Path("evaluate") / "acceptance.json"
 SERVING_REPORT = Path("benchmark") / "report.json"
@@ -63,8 +66,8 @@ class RegisterInputs:
     exports: dict[str, Path]
     contract: CheckpointContract
     target_info: dict[str, Any]
-    acceptance: dict[str, Any]
-    serving: Optional[dict[str, Any]]
+    acceptance: AcceptanceReport
+    serving: Optional[BenchmarkReport]
     data_contract: Optional[dict[str, Any]]
     report_paths: dict[str, Optional[Path]]
 
@@ -121,9 +124,9 @@ def register_and_gate(cfg: RunConfig, inputs: RegisterInputs, fingerprint: str, 
     champion = current_champion(client, name)
     gates = evaluate_gates(GateInputs(inputs.acceptance, inputs.serving, inputs.data_contract,
                                       inputs.contract.target_revision, fingerprint, champion), cfg.registry)
-    contract = registered_contract(inputs, gates, fingerprint)
+    contract = registered_contract(cfg, inputs, gates, fingerprint)
     model_id = log_drafter(client, inputs, contract, active)
-    tags = {**contract_tags(contract), **gate_tags(inputs, gates, fingerprint), **provenance}
+    tags = {**contract_tags(contract), **gate_tags(cfg, inputs, gates, fingerprint), **provenance}
     version = register_version(name, model_id, tags)
     client.set_registered_model_alias(name, CANDIDATE, str(version))
     previous = promote_version(client, name, version) if gates_passed(gates) else None
@@ -132,7 +135,7 @@ def register_and_gate(cfg: RunConfig, inputs: RegisterInputs, fingerprint: str, 
         "mlflow_run_id": active.info.run_id, "aliases": aliases_of(client, name, version),
         "champion_before": champion.version if champion else None, "previous_champion": previous,
     }
-    return {**registered, **gate_record(inputs, gates, fingerprint, provenance)}
+    return {**registered, **gate_record(cfg, inputs, gates, fingerprint, provenance)}
 
 
 def gate_only(cfg: RunConfig, inputs: RegisterInputs, fingerprint: str, provenance: dict[str, str]) -> dict[str, Any]:
@@ -141,16 +144,18 @@ def gate_only(cfg: RunConfig, inputs: RegisterInputs, fingerprint: str, provenan
                                       inputs.contract.target_revision, fingerprint, None), cfg.registry)
     skipped = {"skipped": "tracking.enabled is false: nothing registered (the gates were evaluated)",
                "model_name": cfg.registry.model_name, "version": None, "aliases": []}
-    return {**skipped, **gate_record(inputs, gates, fingerprint, provenance)}
+    return {**skipped, **gate_record(cfg, inputs, gates, fingerprint, provenance)}
 
 
-def gate_record(inputs: RegisterInputs, gates: list[Gate], fingerprint: str,
+def gate_record(cfg: RunConfig, inputs: RegisterInputs, gates: list[Gate], fingerprint: str,
                 provenance: dict[str, str]) -> dict[str, Any]:
     """The part of registration.json that does not depend on the registry: gates, identity, provenance.
-    `failed_gates` lists every gate that withheld `champion`: failed, or not run without a waiver."""
+    `failed_gates` lists every gate that withheld `champion`: failed, or not run without a waiver; `waivers` the
+    reasons of the waivers that let a gate through (as the version's eaglet.waivers tag)."""
     return {
         "gates_passed": gates_passed(gates), "gates": [gate.as_json() for gate in gates],
         "failed_gates": blocking_lines(gates), "waived_gates": waived_names(gates),
+        "waivers": waivers_used(gates, cfg.registry),
         "offline_accept_length": offline_accept_length(inputs.acceptance), "eval_fingerprint": fingerprint,
         "target_revision": inputs.contract.target_revision,
         "reports": {key: str(path) if path else None for key, path in inputs.report_paths.items()},
@@ -169,7 +174,8 @@ def say_gates(registration: dict[str, Any]) -> None:
     for line in registration["failed_gates"]:
         print(f"[register] gate {line}", flush=True)
     if registration["waived_gates"]:
-        print(f"[register] waived (registry.waive_gates): {', '.join(registration['waived_gates'])}", flush=True)
+        reasons = "; ".join(f"{family}: {reason}" for family, reason in registration["waivers"].items())
+        print(f"[register] waived: {', '.join(registration['waived_gates'])} ({reasons})", flush=True)
 
 
 # --- inputs ---------------------------------------------------------------------------------------------
@@ -186,6 +192,11 @@ def optional_json(path: Path) -> Optional[dict[str, Any]]:
     return read_json(path) if path.is_file() else None
 
 
+def optional_serving(path: Path) -> Optional[BenchmarkReport]:
+    """The benchmark report when the stage ran (typed: a field renamed there fails here, naming it)."""
+    return load_report(BenchmarkReport, path, "benchmark") if path.is_file() else None
+
+
 def read_inputs(cfg: RunConfig) -> RegisterInputs:
     """Exports, target and evaluation are required; the serving and data-contract reports are gated on."""
     out = cfg.output_path
@@ -200,8 +211,9 @@ def read_inputs(cfg: RunConfig) -> RegisterInputs:
     paths = {"acceptance": acceptance_path, "serving": out / SERVING_REPORT,
              "data_contract": out / DATA_CONTRACT_REPORT, "data_docs": (out / DATA_DOCS_INDEX).resolve()}
     paths = {key: path if path.is_file() else None for key, path in paths.items()}
-    return RegisterInputs(exports, contract.model_copy(update={"engine": None}), target_info, read_json(acceptance_path),
-                          optional_json(out / SERVING_REPORT), optional_json(out / DATA_CONTRACT_REPORT), paths)
+    return RegisterInputs(exports, contract.model_copy(update={"engine": None}), target_info,
+                          load_report(AcceptanceReport, acceptance_path, "evaluate"), optional_serving(out / SERVING_REPORT),
+                          optional_json(out / DATA_CONTRACT_REPORT), paths)
 
 
 def refuse_broken_exports(inputs: RegisterInputs, out: Path) -> None:
@@ -214,7 +226,7 @@ def refuse_broken_exports(inputs: RegisterInputs, out: Path) -> None:
                                    f"--target {out / 'target'}):\n  - {listed}")
 
 
-def eval_fingerprint(cfg: RunConfig, acceptance: dict[str, Any]) -> str:
+def eval_fingerprint(cfg: RunConfig, acceptance: AcceptanceReport) -> str:
     """Which prompts and decode settings the offline acceptance was measured on: versions compare only when
     this (and the target revision) is equal."""
     from tasks.data.held_out import select_records
@@ -222,9 +234,10 @@ def eval_fingerprint(cfg: RunConfig, acceptance: dict[str, Any]) -> str:
     settings = cfg.evaluation
     records = select_records(cfg.output_path / "data" / "eval.jsonl", settings.max_prompts, settings.sources)
     prompts = [record.model_dump(mode="json", include={"id", "messages", "text"}) for record in records]
-    modes = {name: {key: acceptance[name].get(key) for key in ("steps", "topk", "num_draft_tokens")}
-             for name in ("chain", "tree") if name in acceptance}
-    measured = {"temperature": acceptance.get("temperature"), "max_new_tokens": acceptance.get("max_new_tokens"),
+    decoded = {"chain": acceptance.chain, "tree": acceptance.tree}
+    modes = {name: mode.model_dump(include={"steps", "topk", "num_draft_tokens"})
+             for name, mode in decoded.items() if mode is not None}
+    measured = {"temperature": acceptance.temperature, "max_new_tokens": acceptance.max_new_tokens,
                 "max_length": cfg.validation.max_length, "modes": modes}
     return hash_text(json.dumps({"prompts": prompts, "settings": measured}, sort_keys=True))
 
@@ -289,47 +302,50 @@ def registration_run(cfg: RunConfig) -> Iterator[Any]:
         yield own
 
 
-def registered_contract(inputs: RegisterInputs, gates: list[Gate], fingerprint: str) -> CheckpointContract:
+def registered_contract(cfg: RunConfig, inputs: RegisterInputs, gates: list[Gate],
+                        fingerprint: str) -> CheckpointContract:
     """The export's contract (engine-neutral) with the evaluation reports' headline numbers added
     (docs/architecture.md §5)."""
     acceptance = inputs.acceptance
     offline = {"mean_accept_length": offline_accept_length(acceptance),
-               "greedy_equivalence": acceptance.get("greedy_equivalence"), "prompts": acceptance.get("prompts"),
-               "records": acceptance.get("records"), "eval_fingerprint": fingerprint}
-    if "tree" in acceptance:
-        offline["tree_mean_accept_length"] = acceptance["tree"].get("mean_accept_length")
+               "greedy_equivalence": acceptance.greedy_equivalence, "prompts": acceptance.prompts,
+               "records": acceptance.records, "eval_fingerprint": fingerprint}
+    if acceptance.tree is not None:
+        offline["tree_mean_accept_length"] = acceptance.tree.mean_accept_length
     evaluation = {**inputs.contract.evaluation, "offline": offline, "serving": serving_summary(inputs.serving),
                   "gates": {gate.name: gate.status for gate in gates}}
     return inputs.contract.model_copy(update={"evaluation": evaluation})
 
 
-def serving_summary(report: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """Per engine: acceptance and speedup per concurrency ("not run" without a benchmark)."""
-    if report is None or report.get("skipped") or not report.get("engines"):
+def serving_summary(report: Optional[BenchmarkReport]) -> dict[str, Any]:
+    """Per engine: the recommended setting's acceptance as the engine measured it over the benchmark's traffic (every
+    engine reports it, SGLang's gauges included), its speedup per concurrency, and the sweep ("not run" without a
+    benchmark)."""
+    if report is None or not report.measured:
         return {"status": "not run"}
     engines = {}
-    for kind, engine in report["engines"].items():
-        engines[kind] = {"mean_accept_length": (engine.get("acceptance_check") or {}).get("engine_mean_accept_length"),
-                         "speedup": engine.get("speedup"),
-                         "recommended_num_speculative_tokens": engine.get("num_speculative_tokens"),
-                         "recommended_setting": engine.get("serving_setting"),
-                         "sweep": engine.get("sweep")}
-    return {"status": "passed" if report.get("passed") else "failed", "engines": engines}
+    for kind, engine in report.engines.items():
+        engines[kind] = {"mean_accept_length": engine.eagle3.speculative.mean_accept_length,
+                         "speedup": [row.as_json() for row in engine.speedup],
+                         "recommended_num_speculative_tokens": engine.num_speculative_tokens,
+                         "recommended_setting": engine.serving_setting.as_json(),
+                         "sweep": [row.as_json() for row in engine.sweep]}
+    return {"status": "passed" if report.passed else "failed", "engines": engines}
 
 
-def recommended_serving(report: Optional[dict[str, Any]]) -> str:
-    """Per engine, the setting the benchmark measured as fastest, with its median speedup at the lowest level:
-    vLLM's `num_speculative_tokens`, SGLang's steps / topk / num_draft_tokens, and the flags that serve it."""
-    if report is None or report.get("skipped") or not report.get("engines"):
+def recommended_serving(report: Optional[BenchmarkReport], speedup_concurrency: Optional[int]) -> str:
+    """Per engine, the setting the benchmark measured as fastest, with its median speedup at the level the speedup
+    gate reads (`registry.speedup_concurrency`, default the lowest): vLLM's `num_speculative_tokens`, SGLang's
+    steps / topk / num_draft_tokens, and the flags that serve it."""
+    if report is None or not report.measured:
         return "not measured"
     recommended = {}
-    for kind, engine in report["engines"].items():
-        rows = sorted(engine.get("speedup") or [], key=lambda row: row["concurrency"])
-        setting = engine.get("serving_setting") or {}
-        recommended[kind] = {"num_speculative_tokens": engine.get("num_speculative_tokens"),
-                             **{name: setting[name] for name in ("steps", "topk", "num_draft_tokens", "flags")
-                                if name in setting},
-                             "speedup": rows[0]["output_tokens_per_s"] if rows else None}
+    for kind, engine in report.engines.items():
+        _, row = speedup_row(engine.speedup, speedup_concurrency)
+        setting = engine.serving_setting
+        recommended[kind] = {"num_speculative_tokens": engine.num_speculative_tokens, "steps": setting.steps,
+                             "topk": setting.topk, "num_draft_tokens": setting.num_draft_tokens, "flags": setting.flags,
+                             "speedup": row.output_tokens_per_s if row else None}
     return tag_value(recommended)
 
 
@@ -343,8 +359,9 @@ def contract_tags(contract: CheckpointContract) -> dict[str, str]:
     return {CONTRACT_TAG_PREFIX + key: tag_value(value) for key, value in contract.model_dump(mode="json").items()}
 
 
-def gate_tags(inputs: RegisterInputs, gates: list[Gate], fingerprint: str) -> dict[str, str]:
-    """The verdicts `eaglet promote` and `eaglet registry show` read back."""
+def gate_tags(cfg: RunConfig, inputs: RegisterInputs, gates: list[Gate], fingerprint: str) -> dict[str, str]:
+    """The verdicts `eaglet promote` and `eaglet registry show` read back, and the waivers that let a gate through,
+    with their reasons."""
     speedups = [f"{gate.name.removeprefix('speedup[').rstrip(']')}={gate.measured:.3f}"
                 for gate in gates if gate.name.startswith("speedup[") and gate.measured is not None]
     accept_length = offline_accept_length(inputs.acceptance)
@@ -355,7 +372,8 @@ def gate_tags(inputs: RegisterInputs, gates: list[Gate], fingerprint: str) -> di
         TAG_EVAL_FINGERPRINT: fingerprint,
         TAG_ACCEPT_LENGTH: tag_value(accept_length) if accept_length is not None else "none",
         TAG_SPEEDUP: " ".join(speedups) or "not run",
-        TAG_RECOMMENDED_SERVING: recommended_serving(inputs.serving),
+        TAG_RECOMMENDED_SERVING: recommended_serving(inputs.serving, cfg.registry.speedup_concurrency),
+        TAG_WAIVERS: tag_value(waivers_used(gates, cfg.registry)),
     }
 
 
@@ -387,8 +405,9 @@ def stage_side_files(staging: Path, inputs: RegisterInputs, contract: Checkpoint
     (staging / "contract.json").write_text(contract.model_dump_json(indent=2) + "\n", encoding="utf-8")
     reports = staging / "reports"
     reports.mkdir()
-    for key, data in (("acceptance", inputs.acceptance), ("serving", inputs.serving),
-                      ("data_contract", inputs.data_contract)):
+    typed = {"acceptance": inputs.acceptance, "serving": inputs.serving}
+    for key, data in {**{key: report.as_json() if report else None for key, report in typed.items()},
+                      "data_contract": inputs.data_contract}.items():
         if data is not None:
             write_json(reports / f"{key}.json", data)
 

@@ -2,7 +2,9 @@
 
 While a `ConfigReads` is entered, reading `cfg.training.learning_rate` records "training.learning_rate"; reading a
 field that holds sections (`cfg.training`, `cfg.runtime.engines`) records nothing until a plain value below it is
-read. Copies made with `model_copy` record too (sections are known by class, not by instance).
+read. Copies made with `model_copy` record too (sections are known by class, not by instance), so a section held
+in a dict is known without its key: `cfg.runtime.engines["vllm"].port` records "runtime.engines.*.port", which a
+declared "runtime.engines.vllm.port" (or "runtime.engines") covers.
 """
 
 from __future__ import annotations
@@ -24,15 +26,26 @@ def model_classes_in(annotation: Any) -> Iterator[type[BaseModel]]:
         yield from model_classes_in(argument)
 
 
+#: The key of a section held in a dict (runtime.engines.<kind>), which a field read cannot see.
+ANY_KEY = "*"
+
+
 def section_paths(model: type[BaseModel], prefix: str = "") -> dict[type[BaseModel], str]:
     """Dotted path of every section class under `model` ("" for the run config itself)."""
     paths: dict[type[BaseModel], str] = {model: prefix} if not prefix else {}
     for name, field in model.model_fields.items():
         path = f"{prefix}.{name}" if prefix else name
+        held = f"{path}.{ANY_KEY}" if typing.get_origin(field.annotation) is dict else path
         for section in model_classes_in(field.annotation):
-            paths[section] = path
-            paths.update(section_paths(section, path))
+            paths[section] = held
+            paths.update(section_paths(section, held))
     return paths
+
+
+def covers(declared: str, field: str) -> bool:
+    """Whether a declared name (a section or a field) covers a recorded field; ANY_KEY matches any dict key."""
+    names, parts = declared.split("."), field.split(".")
+    return len(names) <= len(parts) and all(part in (name, ANY_KEY) for name, part in zip(names, parts))
 
 
 #: pydantic's ways to read a whole model at once.
@@ -84,6 +97,5 @@ class ConfigReads:
 
     def undeclared(self, declared: typing.Iterable[str], ignored: typing.Iterable[str] = ()) -> list[str]:
         """Fields read that no declared name (a section or a field) covers."""
-        covers = [*declared, *ignored]
-        return sorted(field for field in self.fields
-                      if not any(field == name or field.startswith(name + ".") for name in covers))
+        names = [*declared, *ignored]
+        return sorted(field for field in self.fields if not any(covers(name, field) for name in names))

@@ -3,7 +3,7 @@ real benchmark on the vLLM CPU build (`make serve-env`) with a drafter trained o
 
 The fast tests stream from a scripted SSE server in this process (known chunk delays, optional usage, failures),
 feed the counter arithmetic the exact /metrics series vLLM 0.32 writes, and run the stage over canned
-measurements. The slow test trains a drafter on the very text the target generates greedily, so the engine
+measurements. The engine-tier tests train a drafter on the very text the target generates greedily, so the engine
 accepts its drafts, serves it on vLLM, and checks the engine's acceptance against the offline estimate.
 """
 
@@ -24,6 +24,7 @@ from config_reads import ConfigReads
 from contract.config import RunConfig
 from contract.records import PromptRecord
 from flows.stages import NOT_INPUTS, STAGE_READS
+from report_builders import acceptance_report, mode_acceptance
 from tasks import benchmark
 from tasks.serving import spec_counters
 from tasks.serving.engine import free_port, parse_prometheus
@@ -31,7 +32,6 @@ from tasks.serving.client import (ChatRequest, RequestResult, Sampling, distribu
                                   stream_chat, summarize_level, time_per_output_token)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 
 # --- statistics -----------------------------------------------------------------------------------------
@@ -161,7 +161,7 @@ class ScriptedServer:
 
 
 @pytest.fixture
-def scripted() -> Iterator[ScriptedServer]:
+def scripted(scripted_server: None) -> Iterator[ScriptedServer]:
     with ScriptedServer(["Hello", " there", " friend", "!"], first_s=0.2, gap_s=0.05) as server:
         yield server
 
@@ -287,11 +287,10 @@ def offline_run(tmp_path: Path, rounds: int = 226, accepted: tuple[float, ...] =
     """A run dir with an offline evaluation (per-position counts, one prompt) and a vLLM export whose layer ids the
     message should quote."""
     (tmp_path / "evaluate").mkdir(parents=True, exist_ok=True)
-    chain = {"steps": steps, "rounds": rounds, "mean_accept_length": 1 + sum(accepted) / rounds,
-             "accepted_per_position": list(accepted),
-             "per_prompt": [{"prompt": "mtbench:81#turn1", "rounds": rounds, "accepted_per_position": list(accepted)}]}
-    (tmp_path / "evaluate" / "acceptance.json").write_text(
-        json.dumps({"chain": chain, "max_new_tokens": 32, "temperature": 0.0}))
+    per_prompt = [{"prompt": "mtbench:81#turn1", "rounds": rounds, "accepted_per_position": list(accepted),
+                   "generated_tokens": 32}]
+    chain = mode_acceptance(steps, rounds, list(accepted), per_prompt)
+    (tmp_path / "evaluate" / "acceptance.json").write_text(json.dumps(acceptance_report(chain)))
     (tmp_path / "draft" / "vllm").mkdir(parents=True, exist_ok=True)
     (tmp_path / "draft" / "vllm" / "config.json").write_text(json.dumps({"eagle_config": {
         "eaglet_aux_layer_ids": [1, 2, 3], "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}))
@@ -454,7 +453,7 @@ def test_rounds_alternate_and_report_the_median_speedup_with_its_spread(tmp_path
 
 
 @pytest.fixture(scope="module")
-def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -> RunConfig:
+def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path, vllm_python: Path) -> RunConfig:
     """target, data, capture and train on the tiny target; the drafter learns the target's own greedy text.
 
     The eval prompts are the training prompts: the engine then generates exactly what the drafter was
@@ -472,17 +471,14 @@ def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path)
         "evaluation": {"steps": 3, "max_new_tokens": 16},
         "benchmark": {"engines": ["vllm"], "concurrency": [1, 2], "num_requests": 4, "max_tokens": 16},
         "registry": {"agreement_min_drafts": 20},  # 6 prompts of 16 tokens: ~30 drafts at this acceptance
-        "runtime": {"engines": {"vllm": {"python": str(VLLM_PYTHON), "port": free_port(),
+        "runtime": {"engines": {"vllm": {"python": str(vllm_python), "port": free_port(),
                                          "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}},
         "tracking": {"enabled": False},
     })
     return self_distilled_run(cfg)
 
 
-@pytest.mark.slow
 def test_vllm_serves_the_drafter_faithfully_and_the_report_says_so(drafted_run: RunConfig) -> None:
-    if not VLLM_PYTHON.is_file():
-        pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
     cfg = drafted_run
     from tasks import evaluate
 
@@ -556,7 +552,6 @@ def replay_on_engine(cfg: RunConfig, draft: Path, variant: str) -> dict[str, Any
                                      steps)
 
 
-@pytest.mark.slow
 def test_a_drafter_exported_with_a_shuffled_vocab_mapping_fails_the_agreement_check(drafted_run: RunConfig,
                                                                                     tmp_path: Path) -> None:
     """The same trained drafter, its vLLM export's d2t shuffled (each draft id now names another target token),
@@ -570,8 +565,6 @@ def test_a_drafter_exported_with_a_shuffled_vocab_mapping_fails_the_agreement_ch
 
     from tasks import evaluate
 
-    if not VLLM_PYTHON.is_file():
-        pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
     cfg = drafted_run
     if not (cfg.output_path / "evaluate" / "acceptance.json").is_file():
         evaluate.run(cfg)
@@ -590,10 +583,7 @@ def test_a_drafter_exported_with_a_shuffled_vocab_mapping_fails_the_agreement_ch
                                       "prompts: position 1: engine accepted")
 
 
-@pytest.mark.slow
 def test_vllm_sweep_measures_each_chain_length_and_recommends_the_fastest(drafted_run: RunConfig) -> None:
-    if not VLLM_PYTHON.is_file():
-        pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
     from tasks import evaluate
 
     if not (drafted_run.output_path / "evaluate" / "acceptance.json").is_file():
@@ -642,7 +632,6 @@ def sglang_can_serve() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not sglang_can_serve(), reason="SGLang serves only on a GPU host with .venv-sglang")
 def test_sglang_serves_the_drafter_faithfully_on_a_gpu(drafted_run: RunConfig) -> None:
     from tasks import evaluate
@@ -671,14 +660,9 @@ def sweep_run(tmp_path: Path, sweep: list[int], walls: dict[Any, float], kind: s
         (tmp_path / directory).mkdir(parents=True, exist_ok=True)
     record = prompt_record("s:1", [{"role": "user", "content": "question"}, {"role": "assistant", "content": "a"}])
     (tmp_path / "data" / "eval.jsonl").write_text(record.model_dump_json() + "\n")
-    offline = {"target": {"tokens_per_second": 10.0},
-               "chain": {"steps": 3, "mean_accept_length": 2.5, "acceptance_by_depth": [0.6, 0.5, 0.4], "rounds": 10,
-                         "accepted_per_position": [6, 5, 4],
-                         "per_prompt": [{"prompt": "s:1#turn1", "rounds": 10, "accepted_per_position": [6, 5, 4]}],
-                         "mean_drafted_tokens": 3.0, "verify_seconds": 1.0, "draft_seconds": 0.6},
-               "max_new_tokens": 32, "temperature": 0.0}
-    if tree_offline is not None:
-        offline["tree"] = tree_offline
+    chain = mode_acceptance(3, 10, [6, 5, 4], mean_accept_length=2.5, acceptance_by_depth=[0.6, 0.5, 0.4])
+    tree = mode_acceptance(**tree_offline) if tree_offline is not None else None
+    offline = acceptance_report(chain, tree)
     (tmp_path / "evaluate" / "acceptance.json").write_text(json.dumps(offline))
     cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "tracking": {"enabled": False}, "benchmark": {
         "engines": [kind], "concurrency": [1], "num_requests": 2, "rounds": 2, "num_speculative_tokens": sweep,
@@ -691,6 +675,9 @@ def sweep_run(tmp_path: Path, sweep: list[int], walls: dict[Any, float], kind: s
         if agreement is not None:  # the evaluation's prompt replayed: 4 rounds, 2 accepted at each position
             run.report["agreement"] = [{"prompt": prompt.key, "output_tokens": 10, "drafts": 4.0,
                                         "accepted_per_position": [2.0] * setting.steps} for prompt in agreement.prompts]
+            if kind == "sglang":  # SGLang's /generate: the same 4 rounds as verify rounds and completion tokens
+                run.report["agreement"] = [{"prompt": prompt.key, "verify_rounds": 4, "completion_tokens": 1 + 4 * 3}
+                                           for prompt in agreement.prompts]
         level = run.report["levels"][0]
         level.update(summarize_level(run.results[1], wall_s=walls[variant]))
         if draft is not None:
@@ -756,7 +743,9 @@ def test_sglang_sweeps_trees_beside_the_chains_and_can_recommend_a_tree(tmp_path
     # the tree the evaluate stage decoded: 3.0 tokens per 0.2 s round at a 10 tok/s target; no offline run of the other
     assert rows["s3-t4-n8"]["predicted_speedup"] == pytest.approx(3.0 / 0.2 / 10)
     assert rows["s2-t2-n5"]["predicted_speedup"] is None
-    assert sglang["acceptance_check"]["engine_steps"] == 3, "checked at the offline chain, not at the winning tree"
+    check = sglang["acceptance_check"]
+    assert check["engine_steps"] == 3, "checked at the offline chain, not at the winning tree"
+    assert check["check"] == "totals" and check["status"] == "inconclusive", "4 verify rounds on SGLang cannot tell"
     summary = benchmark.BenchmarkResult(tmp_path, tmp_path, None, report).summary()
     assert summary["sglang_recommended_topk"] == 4.0 and summary["sglang_s3-t4-n8_c1_speedup"] == pytest.approx(2.0)
     assert report["settings"]["sglang_trees"][1] == {"steps": 2, "topk": 2, "num_draft_tokens": None}

@@ -29,7 +29,7 @@ from tasks.features.state_sources import LocalStates
 from tasks.serving.engine import free_port
 from test_capture import AUX, EVAL, SKIPPED, TRAIN, make_run
 from test_train_modes import losses
-from training_run import captured_run, copy_run
+from training_run import copied_run, copy_run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -46,7 +46,7 @@ def engine_run(tmp_path: Path, tiny_target_dir: Path, **capture_settings) -> Run
     return cfg
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("vllm_python")
 def test_vllm_capture_writes_the_shards_local_capture_writes(tmp_path: Path, tiny_target_dir: Path) -> None:
     local = capture.run(make_run(tmp_path / "local", tiny_target_dir, dtype="float32"))
     cfg = engine_run(tmp_path / "vllm", tiny_target_dir, dtype="float32", verify_fraction=0.5)
@@ -83,11 +83,10 @@ def test_vllm_capture_writes_the_shards_local_capture_writes(tmp_path: Path, tin
     assert rerun.shards_written == [] and rerun.manifest["producer"]["verify"] == verify, "kept shards keep their producer"
 
 
-@pytest.mark.slow
-def test_vllm_capture_of_the_embedded_smollm2_passes_the_verification(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("vllm_python")
+def test_vllm_capture_of_the_embedded_smollm2_passes_the_verification(tmp_path: Path, embedded_target: Path) -> None:
     """The real target (30 layers, tied embeddings): every captured record re-captured in-process."""
-    smollm2 = target.run(RunConfig.model_validate({"output_dir": str(tmp_path / "embedded")})).directory
-    cfg = engine_run(tmp_path / "vllm", smollm2, dtype="float32", verify_fraction=1.0, aux_layer_ids=[1, 14, 26])
+    cfg = engine_run(tmp_path / "vllm", embedded_target, dtype="float32", verify_fraction=1.0, aux_layer_ids=[1, 14, 26])
     served = capture.run(cfg)
     assert served.report.ok == len(TRAIN) + len(EVAL) - len(SKIPPED)
     producer = served.manifest["producer"]
@@ -99,7 +98,7 @@ def test_vllm_capture_of_the_embedded_smollm2_passes_the_verification(tmp_path: 
     assert all(0.0 <= slot["max_relative_difference"] < TOLERANCE["float32"] for slot in slots.values()), slots
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("vllm_python")
 def test_an_off_by_one_layer_numbering_fails_the_verification(tmp_path: Path, tiny_target_dir: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = engine_run(tmp_path, tiny_target_dir, verify_fraction=0.1)
@@ -147,11 +146,11 @@ def test_verification_sample_is_evenly_spaced_and_never_empty() -> None:
     assert verification_sample(samples, 0.0) == [] and len(verification_sample(samples, 1.0)) == 10
 
 
-@pytest.mark.slow
-def test_online_training_takes_its_features_from_the_engine(tmp_path: Path, tiny_target_dir: Path) -> None:
+@pytest.mark.usefixtures("vllm_python")
+def test_online_training_takes_its_features_from_the_engine(tmp_path: Path, captured_tiny_run: RunConfig) -> None:
     """training.mode online with capture.backend vllm: the train stage starts the engine, a producer thread streams
     the coming micro-batches from it, and the run equals online training on the in-process target."""
-    base = captured_run(tmp_path / "base", tiny_target_dir, max_steps=6)
+    base = copied_run(captured_tiny_run, tmp_path / "base", max_steps=6)
 
     def online(name: str, **capture_settings) -> RunConfig:
         copy_run(base.output_path, tmp_path / name)

@@ -135,6 +135,15 @@ def test_tree_settings_must_form_a_tree(tmp_path: Path) -> None:
     assert "sglang_trees.0" not in message, "SGLang's documented steps 3, topk 4, 16 draft tokens is a tree"
 
 
+def test_resume_from_is_a_mode_or_a_checkpoint_path(tmp_path: Path) -> None:
+    """The retired `latest` and `null` fail naming the field and what it takes; a path is taken as given."""
+    for value in ("latest", "null", "step-00000100"):
+        message = rejection(tmp_path, f"training:\n  resume_from: {value}\n")
+        assert "training.resume_from: " in message and "is not one of auto, none or the path of a checkpoint" in message
+    for value in ("auto", "none", "/data/run/checkpoints/step-00000100", "checkpoints/step-00000100"):
+        assert load_config(None, [f"training.resume_from={value}"]).training.resume_from == value
+
+
 def test_bad_files_and_bad_overrides(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")

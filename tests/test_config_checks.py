@@ -15,6 +15,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+import flows.cli_common
 import flows.preflight
 from contract.config import RunConfig
 from contract.config_loading import load_config
@@ -196,3 +197,30 @@ def test_the_gpu_recipe_without_its_engine_names_the_missing_python(tmp_path: Pa
     assert result.exit_code == 2, result.output
     assert "runtime.engines.sglang.python: '.venv-sglang/bin/python' is not an executable python" in result.output
     assert "runtime.engines.vllm" not in result.output, "regeneration is served at its base_url: vLLM is not started"
+
+
+def test_schema_only_checks_a_cluster_config_on_a_laptop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--schema-only` runs the field and cross-field rules and nothing of this host (it says so); plain validate
+    still checks the host, as every run does before it starts."""
+    gpu_recipe = ["config", "validate", "--config", str(REPO_ROOT / "configs/llama31-8b-sglang.yaml")]
+    monkeypatch.setattr(flows.preflight, "rank_slots", lambda device: (0, "visible CUDA devices"))
+    monkeypatch.setattr(flows.preflight, "resolve_python", lambda python: None)
+    plain = CliRunner().invoke(app, gpu_recipe)
+    assert plain.exit_code == 2, plain.output
+    assert "deployment.trainer.nproc_per_node: 8 ranks, but this host has 0 visible CUDA devices" in plain.output
+    assert "runtime.engines.sglang.python" in plain.output
+
+    def no_host_checks(cfg: RunConfig) -> None:
+        raise AssertionError("--schema-only ran the host checks")
+
+    monkeypatch.setattr(flows.cli_common, "preflight", no_host_checks)
+    schema = CliRunner().invoke(app, [*gpu_recipe[:2], "--schema-only", *gpu_recipe[2:]])
+    assert schema.exit_code == 0, schema.output
+    output = " ".join(schema.output.split())
+    assert "not checked (--schema-only): the target's architecture" in output and "nproc_per_node" in output
+    assert "llama31-8b-sglang.yaml is a valid run config on paper" in output
+    cross_field = CliRunner().invoke(app, [*gpu_recipe[:2], "--schema-only", *gpu_recipe[2:],
+                                           "evaluation.num_draft_tokens=1000"])
+    assert cross_field.exit_code == 2, cross_field.output
+    assert "evaluation.num_draft_tokens: 1000 cannot be verified by a tree of steps 6 x topk 10" in " ".join(
+        cross_field.output.split())

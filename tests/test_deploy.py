@@ -114,7 +114,6 @@ def assert_cheap_stages_ran(out: Path) -> None:
     assert not (out / "data" / "regenerated.jsonl").exists(), "only the deployment's stages ran"
 
 
-@pytest.mark.slow
 def test_served_deployment_has_the_cron_and_a_triggered_run_completes(prefect_server: dict[str, str], tmp_path: Path,
                                                                       tiny_target_dir: Path) -> None:
     from prefect.client.orchestration import SyncPrefectClient
@@ -137,7 +136,6 @@ def test_served_deployment_has_the_cron_and_a_triggered_run_completes(prefect_se
     assert serving.returncode is not None
 
 
-@pytest.mark.slow
 def test_work_pool_deployment_runs_on_a_worker(prefect_server: dict[str, str], tmp_path: Path, tiny_target_dir: Path) -> None:
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.actions import WorkPoolCreate
@@ -171,7 +169,6 @@ def stage_flow_runs(client) -> list:
     return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["eaglet-stage"])))
 
 
-@pytest.mark.slow
 def test_placed_stages_run_on_their_work_pool_and_hand_results_through_the_output_dir(
         prefect_server: dict[str, str], tmp_path: Path, tiny_target_dir: Path, mlflow_uri: str) -> None:
     """Two process work pools, one worker each: the pipeline flow runs on `cpu`, regenerate/capture/train run as

@@ -1,7 +1,7 @@
 """tasks.serving.engine: serving-engine commands, and the process lifecycle against a fake and a real engine.
 
 The fast tests run a fake `vllm.entrypoints.openai.api_server` module (a few lines of http.server, put on
-PYTHONPATH) with our own python, so the real command line of `engine_command` is what gets started. The slow
+PYTHONPATH) with our own python, so the real command line of `engine_command` is what gets started. The engine-tier
 test serves the tiny random Llama with the real vLLM CPU build from `.venv-vllm` (`make serve-env`).
 """
 
@@ -112,7 +112,7 @@ def wait_gone(pid: int, timeout_s: float = 5.0) -> bool:
 
 
 @pytest.fixture
-def fake_engine(tmp_path: Path):
+def fake_engine(tmp_path: Path, subprocesses: None):
     """Factory of launches that start the fake engine through the real vLLM command line."""
     root = tmp_path / "fake-engine"
     package = root / "vllm" / "entrypoints" / "openai"
@@ -328,7 +328,7 @@ def test_a_busy_port_is_refused_before_starting(fake_engine) -> None:
 # --- the real vLLM CPU build ----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("vllm_python")
 def test_vllm_serves_the_tiny_target_greedily_like_transformers(tmp_path: Path, tiny_target_dir: Path) -> None:
     import httpx
     import torch

@@ -14,7 +14,7 @@ import torch
 
 from tasks import evaluate, train
 from target_bugs import hide_first_cached_key
-from training_run import captured_run, copy_run
+from training_run import copied_run, copy_run
 
 TWO_TURNS = {
     "id": "mtbench:81", "source": "mtbench", "split": "eval", "metadata": {"category": "writing"},
@@ -32,8 +32,8 @@ MIN_LIFT = 0.15
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path):
-    cfg = captured_run(tmp_path_factory.mktemp("evaluate") / "run", tiny_target_dir)
+def trained_run(tmp_path_factory: pytest.TempPathFactory, captured_tiny_run):
+    cfg = copied_run(captured_tiny_run, tmp_path_factory.mktemp("evaluate") / "run")
     train.run(cfg)
     eval_path = cfg.output_path / "data" / "eval.jsonl"
     eval_path.write_text(eval_path.read_text() + json.dumps(TWO_TURNS) + "\n")

@@ -11,7 +11,6 @@ import torch
 from tasks.features import shards
 from tasks.features.shards import FeatureSet, load_shard
 from tasks.training.batch_plan import epoch_batches, epoch_order
-from training_run import captured_run
 
 
 def test_with_every_shard_in_one_group_the_order_is_the_plain_seeded_shuffle() -> None:
@@ -37,9 +36,8 @@ def test_a_small_buffer_works_through_a_bounded_window_of_shards() -> None:
 
 
 @pytest.fixture(scope="module")
-def features(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -> FeatureSet:
-    run = captured_run(tmp_path_factory.mktemp("stream") / "run", tiny_target_dir)
-    return FeatureSet(run.output_path / "features", "train", verify=True)
+def features(captured_tiny_run) -> FeatureSet:
+    return FeatureSet(captured_tiny_run.output_path / "features", "train", verify=True)
 
 
 def test_records_are_read_from_the_mapped_shard_as_the_whole_shard_holds_them(features: FeatureSet,

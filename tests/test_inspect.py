@@ -121,8 +121,7 @@ def test_features_line_up_with_tokens_and_the_teacher_predicts_the_next_one(tmp_
     assert "teacher" in words and "learns the teacher of row t+1" in words
 
 
-@pytest.mark.slow
-def test_smollm2_teacher_predicts_the_next_generated_token(tmp_path: Path) -> None:
+def test_smollm2_teacher_predicts_the_next_generated_token(tmp_path: Path, embedded_target: Path) -> None:
     """The alignment proof on the real target: after greedy regeneration, the teacher of row t-1 is token t."""
     from models.target_loading import load_target
     from tasks import capture, ingest, regenerate

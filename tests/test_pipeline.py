@@ -156,13 +156,13 @@ def test_unchanged_stages_are_cached_and_changed_ones_rerun(prefect_harness, tmp
 def test_dvc_yaml_params_are_the_stages_declared_reads() -> None:
     """dvc.yaml's `params` mirror flows/stages.py STAGE_READS, and params.yaml spells out each of them (DVC
     refuses a stage whose param is missing from the params file)."""
+    from flows.dvc_sync import SYNC_COMMAND
     from flows.stages import STAGE_READS
 
     params_file = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     for name in STAGE_ORDER:
         declared = STAGE_READS[name].params
-        block = "\n".join(["    params:", *(f"      - {param}" for param in declared)])
-        assert stage_spec(name).params == declared, f"dvc.yaml stage {name} must list its declared reads:\n{block}"
+        assert stage_spec(name).params == declared, f"dvc.yaml stage {name} must list its declared reads: run `{SYNC_COMMAND}`"
         for param in declared:
             node = params_file
             for part in param.split("."):

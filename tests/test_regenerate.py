@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from contract.config import RunConfig
-from contract.records import PromptRecord
+from contract.records import PromptRecord, read_prompt_records
 from tasks import ingest, regenerate, target
 from tasks.data.generation import GenerationRequest
 from tasks.data.generation_local import LocalGenerator
@@ -55,8 +55,13 @@ def prepare_run(tmp_path: Path, model_dir: Path, items: list[dict[str, Any]], **
     return cfg
 
 
+def read_regenerated(path: Path) -> list[PromptRecord]:
+    """regenerated.jsonl as the stages after regenerate read it: a line that is not a record fails."""
+    return [record for _, record in read_prompt_records(path)]
+
+
 def by_id(path: Path) -> dict[str, PromptRecord]:
-    return {record.id: record for record in regenerate.load_regenerated(path)}
+    return {record.id: record for record in read_regenerated(path)}
 
 
 def test_every_assistant_turn_is_written_by_the_target(tmp_path: Path, tiny_target_dir: Path) -> None:
@@ -127,6 +132,7 @@ def journal_entries(path: Path) -> int:
     return max(0, len(path.read_bytes().splitlines()) - 1) if path.exists() else 0
 
 
+@pytest.mark.integration
 def test_kill_9_then_rerun_loses_and_duplicates_nothing(tmp_path: Path, tiny_target_dir: Path) -> None:
     items = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me a story number {i}."}]} for i in range(24)]
     cfg = prepare_run(tmp_path / "killed", tiny_target_dir, items, max_new_tokens=48, chunk_records=2, batch_size=2)
@@ -151,7 +157,7 @@ def test_kill_9_then_rerun_loses_and_duplicates_nothing(tmp_path: Path, tiny_tar
     straight = regenerate.run(straight_cfg)
     resumed_lines = resumed.output_path.read_text().splitlines()
     assert len(resumed_lines) == len(set(resumed_lines)) == 24
-    assert [record.id for record in regenerate.load_regenerated(resumed.output_path)] == [f"chats:c{i}" for i in range(24)]
+    assert [record.id for record in read_regenerated(resumed.output_path)] == [f"chats:c{i}" for i in range(24)]
     assert by_id(resumed.output_path).keys() == by_id(straight.output_path).keys()
     assert [r.messages for r in by_id(resumed.output_path).values()] == [r.messages for r in by_id(straight.output_path).values()]
     assert (resumed.report.input, resumed.report.ok) == (24, 24)

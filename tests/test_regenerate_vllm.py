@@ -13,7 +13,7 @@ import yaml
 
 from tasks import regenerate
 from tasks.serving.engine import EngineLaunch, free_port, serve
-from test_regenerate import by_id, journal_entries, prepare_run, stage_command
+from test_regenerate import by_id, journal_entries, prepare_run, read_regenerated, stage_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -81,4 +81,4 @@ def test_vllm_stopped_mid_run_then_restarted(tmp_path: Path, tiny_target_dir: Pa
     assert done_before_restart < 12, "the server went down while records were still pending"
     report = json.loads((cfg.output_path / "data" / "regenerate_report.json").read_text())
     assert (report["input"], report["ok"], report["error"]) == (12, 12, 0)
-    assert [record.id for record in regenerate.load_regenerated(cfg.output_path / "data" / "regenerated.jsonl")] == [f"chats:c{i}" for i in range(12)]
+    assert [record.id for record in read_regenerated(cfg.output_path / "data" / "regenerated.jsonl")] == [f"chats:c{i}" for i in range(12)]

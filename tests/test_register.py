@@ -24,23 +24,28 @@ from pydantic import ValidationError
 
 from contract.config import WAIVABLE_GATES, RegistryConfig, RunConfig, TrackingConfig
 from contract.config_loading import ConfigError, config_as_yaml, load_config
+from contract.reports import AcceptanceReport, BenchmarkReport
 from flows.registry_cli import add_registry_commands
 from tasks import evaluate, register, train
 from tasks.registry import store as registry_store
-from tasks.registry.gates import NOT_RUN, Champion, GateInputs, blocking_lines, evaluate_gates, gates_passed
-from training_run import captured_run
+from tasks.registry.gates import (NOT_RUN, Champion, GateInputs, blocking_lines, evaluate_gates, gates_passed,
+                                  waivers_used)
+from report_builders import SKIPPED_BENCHMARK, acceptance_report, benchmark_report, engine_report, mode_acceptance, speedup_rows
+from training_run import copied_run
 
 MODEL = "tiny-drafter"
 #: What the stage reads from a run; the rest (features, checkpoints) stays behind.
 REGISTER_INPUTS = ("target.json", "target", "draft", "evaluate", "data/eval.jsonl")
 #: The gates a run without a serving engine cannot measure.
 SERVING_GATES = ["serving_checks", "engine_acceptance", "speedup"]
+#: registry.waive_gates for them: each waiver with its reason.
+SERVING_WAIVERS = {name: "no serving engine runs in these tests" for name in SERVING_GATES}
 
 
 @pytest.fixture(scope="module")
-def exported_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -> RunConfig:
+def exported_run(tmp_path_factory: pytest.TempPathFactory, captured_tiny_run: RunConfig) -> RunConfig:
     """A drafter trained for two steps, exported for both engines, with a real offline evaluation."""
-    cfg = captured_run(tmp_path_factory.mktemp("register") / "run", tiny_target_dir, max_steps=2)
+    cfg = copied_run(captured_tiny_run, tmp_path_factory.mktemp("register") / "run", max_steps=2)
     train.run(cfg)
     settings = {"steps": 3, "topk": 1, "max_new_tokens": 8, "max_prompts": 1}
     cfg = cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update=settings)})
@@ -63,7 +68,7 @@ def run_copy(exported: RunConfig, directory: Path, mlflow_uri: str, **registry: 
     (directory / "reports" / "data_docs" / "index.html").write_text("<html>data docs</html>")
     write(directory / "benchmark" / "report.json", {"skipped": "benchmark.engines is empty", "engines": {},
                                                     "failures": [], "passed": True})
-    settings = {"model_name": MODEL, "waive_gates": SERVING_GATES, **registry}
+    settings = {"model_name": MODEL, "waive_gates": SERVING_WAIVERS, **registry}
     cfg = exported.model_copy(update={
         "output_dir": str(directory),
         "tracking": TrackingConfig(enabled=True, tracking_uri=mlflow_uri, experiment="register-test"),
@@ -95,31 +100,36 @@ def aliases(uri: str) -> dict[str, int]:
 
 def serving(speedup: float = 1.4, agreement: str = "ok", min_p_value: float = 0.4,
             failures: tuple[str, ...] = ()) -> dict[str, Any]:
-    check = {"status": agreement, "offline_mean_accept_length": 2.0, "offline_steps": 3, "min_p_value": min_p_value,
-             "engine_mean_accept_length": 2.1, "engine_steps": 3, "relative_gap": 0.05,
+    check = {"status": agreement, "check": "per_position", "offline_mean_accept_length": 2.0, "offline_steps": 3,
+             "min_p_value": min_p_value, "engine_mean_accept_length": 2.1, "engine_steps": 3, "relative_gap": 0.05,
              "reason": "position 1: engine accepted 0/180 (0.0%), offline 8/226 (3.5%), p = 0.011"}
-    engine = {"speedup": [{"concurrency": 1, "output_tokens_per_s": speedup}, {"concurrency": 4, "output_tokens_per_s": 0.8}],
-              "acceptance_check": check, "failures": list(failures)}
-    return {"engines": {"vllm": engine}, "failures": list(failures), "passed": not failures}
+    engine = engine_report(speedup_rows((1, speedup), (4, 0.8)), check, failures=failures)
+    return benchmark_report({"vllm": engine})
+
+
+def accept_length(value: float, **changes: Any) -> dict[str, Any]:
+    """An evaluate report whose chain accepts `value` tokens per round."""
+    return acceptance_report(chain=mode_acceptance(mean_accept_length=value), **changes)
 
 
 def good_inputs(**changes: Any) -> GateInputs:
-    values = {"acceptance": {"greedy_equivalence": "passed", "chain": {"mean_accept_length": 2.0, "steps": 3}},
-              "serving": serving(), "data_contract": {"passed": True, "violations": []},
+    """Reports every gate passes on, with `changes` planted (reports as the JSON the stages write)."""
+    values = {"acceptance": accept_length(2.0), "serving": serving(), "data_contract": {"passed": True, "violations": []},
               "target_revision": "rev", "eval_fingerprint": "evalset",
               "champion": Champion(1, "rev", "evalset", 1.95)}
-    return GateInputs(**{**values, **changes})
+    values.update(changes)
+    values["acceptance"] = AcceptanceReport.model_validate(values["acceptance"])
+    values["serving"] = BenchmarkReport.model_validate(values["serving"]) if values["serving"] is not None else None
+    return GateInputs(**values)
 
 
 SETTINGS = RegistryConfig(min_accept_length=1.5, min_speedup=1.2, agreement_alpha=0.01, max_regression=0.02)
 PLANTED: dict[str, tuple[Callable[[], GateInputs], Any, Any]] = {
     # gate: (inputs with one bad value, measured, threshold)
     "data_contract": (lambda: good_inputs(data_contract={"passed": False, "violations": ["ids unique"]}), False, True),
-    "greedy_equivalence": (lambda: good_inputs(acceptance={"greedy_equivalence": "failed",
-                                                           "chain": {"mean_accept_length": 2.0}}), "failed", "passed"),
-    "offline_accept_length": (lambda: good_inputs(acceptance={"greedy_equivalence": "passed",
-                                                              "chain": {"mean_accept_length": 1.4}},
-                                                  champion=None), 1.4, 1.5),
+    "greedy_equivalence": (lambda: good_inputs(acceptance=accept_length(2.0, greedy_equivalence="failed")), "failed",
+                           "passed"),
+    "offline_accept_length": (lambda: good_inputs(acceptance=accept_length(1.4), champion=None), 1.4, 1.5),
     "serving_checks": (lambda: good_inputs(serving=serving(failures=("vllm: 1 of 8 requests failed",))), False, True),
     "engine_acceptance[vllm]": (lambda: good_inputs(serving=serving(agreement="failed", min_p_value=0.011)), 0.011,
                                 0.01),
@@ -147,9 +157,6 @@ def test_each_gate_fails_on_its_planted_bad_value(name: str) -> None:
     assert name in gates[name].describe() and "threshold" in gates[name].describe()
 
 
-SKIPPED_BENCHMARK = {"skipped": "benchmark.engines is empty", "engines": {}, "failures": [], "passed": True}
-
-
 def test_unmeasured_gates_block_champion_unless_waived_by_name() -> None:
     other_eval_set = Champion(1, "rev", "another-evalset", 9.0)
     inputs = good_inputs(serving=SKIPPED_BENCHMARK, champion=other_eval_set)
@@ -160,35 +167,45 @@ def test_unmeasured_gates_block_champion_unless_waived_by_name() -> None:
                         "no_regression": "not run"}
     assert not gates_passed(gates), "nothing shows the drafter serves faster or does not regress"
     assert ("speedup: not run (measured None, threshold 1.2): no engine ran: benchmark.engines is empty; "
-            "waive with registry.waive_gates: [speedup]") in blocking_lines(gates)
-    assert any("another eval set" in line and "[no_regression]" in line for line in blocking_lines(gates))
+            "waive with registry.waive_gates: {speedup: <why it cannot be measured>}") in blocking_lines(gates)
+    assert any("another eval set" in line and "{no_regression:" in line for line in blocking_lines(gates))
 
-    serving_waived = evaluate_gates(inputs, SETTINGS.model_copy(update={"waive_gates": SERVING_GATES}))
+    serving_waived = evaluate_gates(inputs, waiving(SERVING_WAIVERS))
     assert {gate.name: gate.status for gate in serving_waived}["speedup"] == "waived"
     assert [gate.name for gate in serving_waived if gate.blocks] == ["no_regression"], "another eval set still blocks"
-    everything = SETTINGS.model_copy(update={"waive_gates": [*SERVING_GATES, "no_regression"]})
+    everything = waiving({**SERVING_WAIVERS, "no_regression": "the eval set was rebuilt"})
     waived = {gate.name: gate for gate in evaluate_gates(inputs, everything)}
     assert gates_passed(list(waived.values())) and waived["no_regression"].status == "waived"
+    assert waived["no_regression"].waived_by == "registry.waive_gates.no_regression: the eval set was rebuilt"
     assert waived["speedup"].detail == "no engine ran: benchmark.engines is empty" and waived["speedup"].threshold == 1.2
-    assert waived["speedup"].describe().endswith("waived by registry.waive_gates")
+    assert waived["speedup"].describe().endswith(
+        "waived by registry.waive_gates.speedup: no serving engine runs in these tests")
+    assert waivers_used(list(waived.values()), everything) == everything.waive_gates
 
     missing = {gate.name: gate for gate in evaluate_gates(good_inputs(data_contract=None), everything)}
     assert missing["data_contract"].failed and "validate stage" in missing["data_contract"].detail
 
 
+def waiving(waivers: dict[str, str]) -> RegistryConfig:
+    """SETTINGS with `waivers` as registry.waive_gates, validated as a config would be."""
+    return RegistryConfig(**{**SETTINGS.model_dump(), "waive_gates": waivers})
+
+
 def test_a_waiver_never_overrules_a_measured_gate() -> None:
-    settings = SETTINGS.model_copy(update={"waive_gates": list(WAIVABLE_GATES)})
+    settings = waiving({name: "any" for name in WAIVABLE_GATES})
     gates = {gate.name: gate for gate in evaluate_gates(good_inputs(serving=serving(speedup=1.1)), settings)}
     assert gates["speedup[vllm]"].status == "failed" and not gates_passed(list(gates.values()))
+    assert waivers_used(list(gates.values()), settings) == {}, "a waiver that let nothing through is not recorded"
 
 
 def test_a_skipped_engine_comparison_is_waived_by_its_family_name() -> None:
     report = serving()
     report["engines"]["vllm"]["acceptance_check"] = {"status": "skipped", "reason": "temperature > 0"}
     gate = {gate.name: gate for gate in evaluate_gates(good_inputs(serving=report), SETTINGS)}["engine_acceptance[vllm]"]
-    assert gate.status == "not run" and gate.blocks and "[engine_acceptance]" in gate.describe()
-    settings = SETTINGS.model_copy(update={"waive_gates": ["engine_acceptance"]})
-    assert gates_passed(evaluate_gates(good_inputs(serving=report), settings))
+    assert gate.status == "not run" and gate.blocks and "registry.waive_gates: {engine_acceptance:" in gate.describe()
+    settings = waiving({"engine_acceptance": "sampled at temperature 0.7"})
+    gates = evaluate_gates(good_inputs(serving=report), settings)
+    assert gates_passed(gates) and waivers_used(gates, settings) == {"engine_acceptance": "sampled at temperature 0.7"}
 
 
 def test_an_inconclusive_agreement_is_a_gate_that_could_not_be_measured_never_a_pass() -> None:
@@ -215,8 +232,8 @@ def test_the_first_version_has_nothing_to_regress_against() -> None:
 
 def test_the_accept_length_floor_defaults_above_nothing_accepted() -> None:
     settings = RegistryConfig()
-    assert settings.min_accept_length > 1.0 and settings.waive_gates == []
-    nothing_accepted = {"greedy_equivalence": "passed", "chain": {"mean_accept_length": 1.0, "steps": 3}}
+    assert settings.min_accept_length > 1.0 and settings.waive_gates == {}
+    nothing_accepted = accept_length(1.0)
     gates = {gate.name: gate for gate in evaluate_gates(good_inputs(acceptance=nothing_accepted, champion=None),
                                                         settings)}
     assert gates["offline_accept_length"].status == "failed", "1.0 is every drafted token rejected"
@@ -227,12 +244,26 @@ def test_the_accept_length_floor_defaults_above_nothing_accepted() -> None:
 
 
 def test_waive_gates_takes_only_gates_that_can_go_unmeasured() -> None:
-    assert load_config(None, ["registry.waive_gates=[speedup, no_regression]"]).registry.waive_gates == [
-        "speedup", "no_regression"]
+    override = "registry.waive_gates={speedup: 'no engine in CI', no_regression: '  eval set rebuilt '}"
+    assert load_config(None, [override]).registry.waive_gates == {"speedup": "no engine in CI",
+                                                                  "no_regression": "eval set rebuilt"}
     for name in ("sped_up", "speedup[vllm]", "data_contract"):
         with pytest.raises(ConfigError, match=r"registry\.waive_gates: unknown gate\(s\) .*serving_checks, "
                                               r"engine_acceptance, speedup, no_regression"):
-            load_config(None, [f"registry.waive_gates=['{name}']"])
+            load_config(None, [f"registry.waive_gates={{'{name}': 'why'}}"])
+
+
+@pytest.mark.parametrize("override", ["{speedup: '  '}", "{speedup: ''}", "{speedup: }", "{speedup: null}"])
+def test_a_waiver_without_its_reason_is_refused_naming_the_field(override: str) -> None:
+    with pytest.raises(ConfigError, match=r"registry\.waive_gates\.speedup: a waiver needs its reason"):
+        load_config(None, [f"registry.waive_gates={override}"])
+
+
+def test_the_old_list_of_waived_gates_is_refused_with_the_mapping_to_write() -> None:
+    with pytest.raises(ConfigError, match=r"registry\.waive_gates: a waiver needs its reason: map each gate to why "
+                                          r"it cannot be measured, e.g. \{speedup: '<why>', no_regression: '<why>'\}"):
+        load_config(None, ["registry.waive_gates=[speedup, no_regression]"])
+
 
 
 # --- the stage ------------------------------------------------------------------------------------------
@@ -250,6 +281,7 @@ def git_repo_with_lock(directory: Path) -> str:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True).stdout.strip()
 
 
+@pytest.mark.integration  # the stage asks git for the commit
 def test_registration_carries_the_contract_reports_and_provenance(exported_run: RunConfig, tmp_path: Path,
                                                                   mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = run_copy(exported_run, tmp_path / "out", mlflow_uri)
@@ -262,6 +294,7 @@ def test_registration_carries_the_contract_reports_and_provenance(exported_run: 
     assert registration["aliases"] == ["champion"] and registration["gates_passed"] is True
     assert {gate["name"]: gate["status"] for gate in registration["gates"]}["speedup"] == "waived"
     assert registration["waived_gates"] == SERVING_GATES and registration["failed_gates"] == []
+    assert registration["waivers"] == SERVING_WAIVERS
     assert result.summary() == {"registered": 1.0, "version": 1.0, "gates_passed": 1.0, "gates_failed": 0.0,
                                 "champion": 1.0, "offline_accept_length": registration["offline_accept_length"]}
 
@@ -283,6 +316,7 @@ def test_registration_carries_the_contract_reports_and_provenance(exported_run: 
     assert version.tags["eaglet.data_docs"].endswith("reports/data_docs/index.html")
     assert version.tags["eaglet.eval_fingerprint"] == registration["eval_fingerprint"]
     assert version.tags["eaglet.recommended_serving"] == "not measured"
+    assert json.loads(version.tags["eaglet.waivers"]) == SERVING_WAIVERS
 
     model = client.get_logged_model(registration["model_id"])
     assert version.source == f"models:/{model.model_id}" and model.status.to_proto() == 2  # READY
@@ -295,6 +329,7 @@ def test_registration_carries_the_contract_reports_and_provenance(exported_run: 
     assert model.artifact_location.startswith((tmp_path / "mlartifacts").as_uri()), "beside the store, not in the cwd"
 
 
+@pytest.mark.integration  # the stage asks git for the commit
 def test_failing_gate_keeps_candidate_then_a_passing_version_moves_the_aliases(
         exported_run: RunConfig, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -325,12 +360,13 @@ def test_failing_gate_keeps_candidate_then_a_passing_version_moves_the_aliases(
     assert aliases(mlflow_uri) == {"champion": 3, "previous": 1}
 
 
+@pytest.mark.integration  # the stage asks git for the commit
 def test_an_unmeasured_gate_withholds_champion_until_the_config_waives_it(
         exported_run: RunConfig, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from flows.cli import champion_line
 
     monkeypatch.chdir(tmp_path)
-    strict = run_copy(exported_run, tmp_path / "out", mlflow_uri, waive_gates=[])
+    strict = run_copy(exported_run, tmp_path / "out", mlflow_uri, waive_gates={})
     held_back = register.run(strict).registration
     assert held_back["version"] == 1 and held_back["aliases"] == ["candidate"] and not held_back["gates_passed"]
     assert aliases(mlflow_uri) == {"candidate": 1}, "registered all the same"
@@ -340,7 +376,7 @@ def test_an_unmeasured_gate_withholds_champion_until_the_config_waives_it(
     assert held_back["failed_gates"][0].startswith("serving_checks: not run (measured None, threshold True): no engine ran")
     line = champion_line(strict, held_back)
     assert f"models:/{MODEL}@champion = none yet; this run's version 1 stays candidate (serving_checks: not run" in line
-    assert "speedup: not run" in line and "waive with registry.waive_gates: [speedup]" in line
+    assert "speedup: not run" in line and "waive with registry.waive_gates: {speedup: " in line
 
     waived = run_copy(exported_run, tmp_path / "out-waived", mlflow_uri)
     promoted = register.run(waived).registration
@@ -369,6 +405,36 @@ def test_an_unmeasured_gate_withholds_champion_until_the_config_waives_it(
     assert rows["1"][waived_column] == "none" and rows["3"][waived_column] == "serving_checks, engine_acceptance, speedup"
 
 
+@pytest.mark.integration  # the stage asks git for the commit
+def test_a_waived_gate_carries_its_reason_into_registration_and_the_version_tag(
+        exported_run: RunConfig, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SGLang benchmark whose agreement measured nothing: blocked without a waiver, champion with one, whose
+    reason the version keeps."""
+    monkeypatch.chdir(tmp_path)
+    unmeasured = {"status": "skipped", "reason": "sglang: no agreement run at evaluation.steps 3"}
+    report = benchmark_report({"sglang": engine_report(speedup_rows((1, 1.5)), unmeasured)})
+    strict = run_copy(exported_run, tmp_path / "out", mlflow_uri, waive_gates={})
+    write(strict.output_path / "benchmark" / "report.json", report)
+    held_back = register.run(strict).registration
+    assert held_back["aliases"] == ["candidate"] and held_back["waivers"] == {}
+    assert [line.partition(":")[0] for line in held_back["failed_gates"]] == ["engine_acceptance[sglang]"]
+    assert "registry.waive_gates: {engine_acceptance: " in held_back["failed_gates"][0]
+
+    reason = "this SGLang build reports no spec_verify_ct"
+    waivers = {"engine_acceptance": reason, "speedup": "measured here, so this waiver lets nothing through"}
+    waived = run_copy(exported_run, tmp_path / "out-waived", mlflow_uri, waive_gates=waivers)
+    write(waived.output_path / "benchmark" / "report.json", report)
+    promoted = register.run(waived).registration
+    assert promoted["aliases"] == ["champion"] and promoted["waived_gates"] == ["engine_acceptance[sglang]"]
+    gate = {gate["name"]: gate for gate in promoted["gates"]}["engine_acceptance[sglang]"]
+    assert gate["status"] == "waived" and gate["waived_by"] == f"registry.waive_gates.engine_acceptance: {reason}"
+    assert promoted["waivers"] == {"engine_acceptance": reason}, "only the waivers that let a gate through"
+    client = mlflow.MlflowClient(mlflow_uri)
+    assert json.loads(client.get_model_version(MODEL, str(promoted["version"])).tags["eaglet.waivers"]) == {
+        "engine_acceptance": reason}
+    assert json.loads(client.get_model_version(MODEL, "1").tags["eaglet.waivers"]) == {}
+
+
 def table_cells(output: str) -> tuple[list[str], dict[str, list[str]]]:
     """`registry show`'s header and its rows by version, as stripped cells (one line per row at COLUMNS=220)."""
     lines = [line.replace("┃", "│") for line in output.splitlines()]  # the header row's rule is heavy
@@ -387,6 +453,7 @@ def test_missing_inputs_fail_naming_the_file_and_the_stage(exported_run: RunConf
     assert not (cfg.output_path / "register").exists()
 
 
+@pytest.mark.integration  # the stage asks git for the commit
 def test_without_tracking_the_gates_are_reported_and_nothing_is_registered(exported_run: RunConfig, tmp_path: Path,
                                                                           mlflow_uri: str) -> None:
     cfg = run_copy(exported_run, tmp_path / "out", mlflow_uri, min_accept_length=9.0)
@@ -411,6 +478,7 @@ def invoke(*arguments: str) -> Any:
     return CliRunner().invoke(cli(), list(arguments), env={"COLUMNS": "220"})
 
 
+@pytest.mark.integration  # the stage asks git for the commit
 def test_promote_needs_passed_gates_or_force_with_a_reason_and_show_lists_versions(
         exported_run: RunConfig, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -445,6 +513,7 @@ def test_promote_needs_passed_gates_or_force_with_a_reason_and_show_lists_versio
     assert "previous" in rows["2"] and " no " in rows["2"] and "1.2" in rows["2"] and "not run" in rows["2"]
 
 
+@pytest.mark.integration  # the stage asks git for the commit
 def test_download_by_alias_gives_back_the_export_byte_for_byte(exported_run: RunConfig, tmp_path: Path,
                                                                mlflow_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from models.draft_checkpoint import load_pretrained
@@ -520,21 +589,37 @@ def test_a_run_ends_saying_where_things_are_and_who_is_champion(tmp_path: Path, 
     assert "champion:      models:/m@champion = version 2 (this run)" in capsys.readouterr().out
 
 
+def recommending(speedups: list[dict[str, Any]], **engine: Any) -> BenchmarkReport:
+    """A vLLM benchmark recommending a chain of 2 whose speedup rows are `speedups`."""
+    check = {"status": "ok", "check": "per_position", "min_p_value": 0.4}
+    return BenchmarkReport.model_validate(benchmark_report({"vllm": engine_report(speedups, check, steps=2, **engine)}))
+
+
 def test_the_recommended_serving_setting_travels_in_the_contract_and_a_tag() -> None:
-    report = serving(speedup=1.3)
-    report["engines"]["vllm"].update(num_speculative_tokens=2, sweep=[
-        {"num_speculative_tokens": 1, "mean_accept_length": 1.4, "speedup": [{"concurrency": 1, "output_tokens_per_s": 1.1}],
-         "predicted_speedup": 1.2},
-        {"num_speculative_tokens": 2, "mean_accept_length": 1.6, "speedup": [{"concurrency": 1, "output_tokens_per_s": 1.3}],
-         "predicted_speedup": 1.25}])
-    assert json.loads(register.recommended_serving(report)) == {"vllm": {"num_speculative_tokens": 2, "speedup": 1.3}}
     flags = {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 2}}
-    report["engines"]["vllm"]["serving_setting"] = {"steps": 2, "topk": 1, "num_draft_tokens": 3, "label": "k2",
-                                                    "flags": flags}
-    assert json.loads(register.recommended_serving(report)) == {"vllm": {
+    sweep = [{"label": f"k{k}", "setting": {"steps": k, "topk": 1, "num_draft_tokens": k + 1}, "num_speculative_tokens": k,
+              "mean_accept_length": length, "speedup": speedup_rows((1, speedup)), "predicted_speedup": predicted}
+             for k, length, speedup, predicted in ((1, 1.4, 1.1, 1.2), (2, 1.6, 1.3, 1.25))]
+    report = recommending(speedup_rows((1, 1.3)), sweep=sweep, serving_setting={
+        "steps": 2, "topk": 1, "num_draft_tokens": 3, "label": "k2", "flags": flags})
+    assert json.loads(register.recommended_serving(report, None)) == {"vllm": {
         "num_speculative_tokens": 2, "steps": 2, "topk": 1, "num_draft_tokens": 3, "flags": flags, "speedup": 1.3}}
     summary = register.serving_summary(report)["engines"]["vllm"]
     assert summary["recommended_num_speculative_tokens"] == 2 and [row["num_speculative_tokens"]
                                                                    for row in summary["sweep"]] == [1, 2]
     assert summary["recommended_setting"]["flags"] == flags
-    assert register.recommended_serving(None) == "not measured"
+    assert register.recommended_serving(None, None) == "not measured"
+
+
+def test_the_recommended_speedup_is_read_at_the_level_the_speedup_gate_reads() -> None:
+    report = recommending(speedup_rows((1, 1.3), (4, 0.8)))
+    assert json.loads(register.recommended_serving(report, 4))["vllm"]["speedup"] == 0.8, "registry.speedup_concurrency"
+    assert json.loads(register.recommended_serving(report, None))["vllm"]["speedup"] == 1.3, "the lowest by default"
+
+
+def test_the_serving_summary_keeps_sglangs_measured_accept_length() -> None:
+    """SGLang's acceptance is in its gauges (eagle3.speculative), not in a per-position agreement check."""
+    check = {"status": "inconclusive", "reason": "SGLang exposes no per-position acceptance counters"}
+    engine = engine_report(speedup_rows((1, 1.6)), check, mean_accept_length=3.4)
+    report = BenchmarkReport.model_validate(benchmark_report({"sglang": engine}))
+    assert register.serving_summary(report)["engines"]["sglang"]["mean_accept_length"] == 3.4

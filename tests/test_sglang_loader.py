@@ -29,7 +29,7 @@ NUM_TARGET_LAYERS = 6
 AUX_LAYERS = [1, 2, 3]  # not the defaults for 6 layers, so the export writes eagle_aux_hidden_state_layer_ids
 PROBE_TIMEOUT_S = 600
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("sglang_loader_python")
 
 
 LOADER_PYTHON = REPO_ROOT / ".venv-sglang-loader" / "bin" / "python"

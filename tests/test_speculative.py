@@ -359,7 +359,6 @@ def sample_pairs(decoder: SpeculativeDecoder, prompt: list[int], samples: int, s
     return counts, accepted
 
 
-@pytest.mark.slow
 def test_speculative_sampling_keeps_the_targets_distribution(target, trained_draft, prompts) -> None:
     sharper = copy.deepcopy(target)          # T = 1 on a sharper head: drafts are often right, often wrong
     with torch.no_grad():

@@ -113,8 +113,7 @@ def test_missing_asset_package_names_the_install_command(tmp_path: Path, monkeyp
         target.run(RunConfig.model_validate({"output_dir": str(tmp_path / "out")}))
 
 
-@pytest.mark.slow
-def test_embedded_smollm2_answers_and_stops_at_im_end(tmp_path: Path) -> None:
+def test_embedded_smollm2_answers_and_stops_at_im_end(tmp_path: Path, embedded_target: Path) -> None:
     from models.target_loading import load_target
 
     result = target.run(RunConfig.model_validate({"output_dir": str(tmp_path / "out")}))

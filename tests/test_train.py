@@ -15,19 +15,17 @@ from flows.cli import app
 from models.vocab_mapping import write_safetensors_file
 from tasks import train
 from tasks.training.checkpoint import ResumeRefused
-from training_run import captured_run, copy_run
+from training_run import copied_run
 
 
 @pytest.fixture(scope="module")
-def base_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path):
-    return captured_run(tmp_path_factory.mktemp("train") / "base", tiny_target_dir)
+def base_run(captured_tiny_run):
+    """The session's captured run: every test trains in a copy of it (`fresh`)."""
+    return captured_tiny_run
 
 
 def fresh(base_run, tmp_path: Path, name: str, **training):
-    directory = tmp_path / name
-    copy_run(base_run.output_path, directory)
-    update = {"output_dir": str(directory), "training": base_run.training.model_copy(update=training)}
-    return base_run.model_copy(update=update)
+    return copied_run(base_run, tmp_path / name, **training)
 
 
 def losses(cfg) -> dict[int, float]:
@@ -64,7 +62,7 @@ def test_halt_and_resume_is_bit_identical_to_a_straight_run(base_run, tmp_path: 
     halted = fresh(base_run, tmp_path, "halted", halt_after=9)
     first = train.run(halted)
     assert not first.values["complete"] and first.values["steps"] == 9
-    resumed = train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "latest"})}))
+    resumed = train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "auto"})}))
     assert resumed.values["complete"]
     expected, actual = weights(straight), weights(halted)
     assert expected.keys() == actual.keys()
@@ -82,16 +80,14 @@ def test_a_shard_aware_plan_trains_and_resumes_exactly(base_run, tmp_path: Path)
     assert losses(straight) != losses(plain), "the shard-aware plan is another order"
     halted = fresh(base_run, tmp_path, "halted", shuffle_buffer_shards=1, max_steps=8, halt_after=3)
     train.run(halted)
-    resumed = train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "latest"})}))
+    resumed = train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "auto"})}))
     assert resumed.values["complete"] and losses(halted) == losses(straight)
     assert all(torch.equal(weights(straight)[name], weights(halted)[name]) for name in weights(straight))
 
 
-def test_a_checkpoint_from_before_the_shuffle_was_recorded_resumes(base_run, tmp_path: Path) -> None:
-    """Checkpoints written before `training.shuffle` was a math field were trained on the plain shuffle: they resume
-    under it, and a shard-aware order is refused naming the field."""
-    straight = fresh(base_run, tmp_path, "straight", max_steps=6)
-    train.run(straight)
+def test_a_checkpoint_that_does_not_record_the_shuffle_is_refused(base_run, tmp_path: Path) -> None:
+    """A checkpoint whose math lacks `training.shuffle` says nothing of the order it was trained in, so no run
+    continues it (not even under the plain shuffle): the refusal names the field."""
     halted = fresh(base_run, tmp_path, "halted", max_steps=6, halt_after=3)
     train.run(halted)
     (checkpoint,) = [path for path in (halted.output_path / "checkpoints").glob("step-*")]
@@ -99,16 +95,15 @@ def test_a_checkpoint_from_before_the_shuffle_was_recorded_resumes(base_run, tmp
     state = json.loads(state_file.read_text())
     assert state["math"].pop("training.shuffle") == "plain"
     state_file.write_text(json.dumps(state))
-    with pytest.raises(ResumeRefused, match=r"training.shuffle: checkpoint 'plain', run '1 shards per group'"):
-        train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "shuffle_buffer_shards": 1})}))
-    resumed = train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None})}))
-    assert resumed.values["complete"] and losses(halted) == losses(straight)
+    with pytest.raises(ResumeRefused, match=r"training.shuffle: checkpoint not recorded, run 'plain'"):
+        train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None})}))
+    assert (checkpoint / "trainer_state.json").is_file(), "the refused checkpoint is kept"
 
 
 def test_resume_with_another_ttt_length_is_refused(base_run, tmp_path: Path) -> None:
     cfg = fresh(base_run, tmp_path, "run", max_steps=4)
     train.run(cfg)
-    changed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"ttt_length": 2, "resume_from": "latest"})})
+    changed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"ttt_length": 2, "resume_from": "auto"})})
     with pytest.raises(ResumeRefused, match="training.ttt_length: checkpoint 3, run 2"):
         train.run(changed)
 
@@ -133,7 +128,7 @@ def test_nan_loss_stops_with_the_step_and_records(base_run, tmp_path: Path) -> N
     assert result.exit_code == 1 and "loss is not finite" in result.output
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_two_ranks_match_one_and_resume_exactly(base_run, tmp_path: Path) -> None:
     one = fresh(base_run, tmp_path, "one")
     train.run(one)
@@ -148,7 +143,7 @@ def test_two_ranks_match_one_and_resume_exactly(base_run, tmp_path: Path) -> Non
     halted = fresh(base_run, tmp_path, "two-halted", halt_after=7)
     halted = halted.model_copy(update={"deployment": two.deployment})
     train.run(halted)
-    train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "latest"})}))
+    train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "auto"})}))
     assert all(torch.equal(weights(two)[name], weights(halted)[name]) for name in weights(two))
 
 
@@ -168,7 +163,7 @@ def test_a_frozen_lm_head_stays_the_targets_rows(base_run, tmp_path: Path) -> No
     train.run(moving)
     assert not torch.equal(weights(moving)["lm_head.weight"], exported["lm_head.weight"])
     changed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"freeze_lm_head": False,
-                                                                                 "resume_from": "latest"})})
+                                                                                 "resume_from": "auto"})})
     with pytest.raises(ResumeRefused, match="training.freeze_lm_head"):
         train.run(changed)
 

@@ -19,26 +19,23 @@ from tasks.serving.engine import free_port
 from tasks.training.checkpoint import ResumeRefused, latest_checkpoint
 from tasks.training.launch import other_node_commands
 from attention_reference import assert_within_bf16
-from training_run import captured_run, copy_run
+from training_run import copied_run
 
 
 @pytest.fixture(scope="module")
-def base_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path):
-    return captured_run(tmp_path_factory.mktemp("modes") / "base", tiny_target_dir, max_steps=8)
+def base_run(captured_tiny_run):
+    """The session's captured run with 8 steps: every test trains in a copy of it (`fresh`)."""
+    return captured_tiny_run.model_copy(update={"training": captured_tiny_run.training.model_copy(update={"max_steps": 8})})
 
 
 def fresh(base_run, tmp_path: Path, name: str, ranks: int = 1, strategy: str = "ddp", **training):
-    directory = tmp_path / name
-    copy_run(base_run.output_path, directory)
-    trainer = base_run.deployment.trainer.model_copy(update={"nproc_per_node": ranks, "strategy": strategy})
-    return base_run.model_copy(update={
-        "output_dir": str(directory), "training": base_run.training.model_copy(update=training),
-        "deployment": base_run.deployment.model_copy(update={"trainer": trainer}),
-    })
+    copied = copied_run(base_run, tmp_path / name, **training)
+    trainer = copied.deployment.trainer.model_copy(update={"nproc_per_node": ranks, "strategy": strategy})
+    return copied.model_copy(update={"deployment": copied.deployment.model_copy(update={"trainer": trainer})})
 
 
 def resumed(cfg):
-    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"halt_after": None, "resume_from": "latest"})})
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"halt_after": None, "resume_from": "auto"})})
 
 
 def losses(cfg) -> dict[int, float]:
@@ -171,7 +168,7 @@ def test_bf16_autocast_attention_on_gpu_is_within_bf16() -> None:
     assert_within_bf16(attended, *inputs)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_fsdp_two_ranks_match_one_rank_and_resume_exactly(base_run, tmp_path: Path) -> None:
     one = fresh(base_run, tmp_path, "one", grad_accumulation=2)
     train.run(one)
@@ -244,7 +241,7 @@ def test_capture_stage_writes_no_shards_for_online_training(base_run, tmp_path: 
     assert result.report.ok + result.report.error + result.report.skipped == result.report.input
 
 
-def test_eaglet_train_resume_continues_a_halted_run(base_run, tmp_path: Path) -> None:
+def test_eaglet_train_continues_a_halted_run(base_run, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from flows.cli import app
@@ -255,6 +252,9 @@ def test_eaglet_train_resume_continues_a_halted_run(base_run, tmp_path: Path) ->
     halted = CliRunner().invoke(app, ["train", "--config", str(config)])
     assert halted.exit_code == 0, halted.output
     assert len(losses(cfg)) == 3
-    finished = CliRunner().invoke(app, ["train", "--config", str(config), "--resume", "training.halt_after=null"])
+    retired = CliRunner().invoke(app, ["train", "--config", str(config), "--resume"])
+    assert retired.exit_code == 2 and "No such option: --resume" in retired.output, retired.output
+    finished = CliRunner().invoke(app, ["train", "--config", str(config), "training.resume_from=auto",
+                                        "training.halt_after=null"])
     assert finished.exit_code == 0, finished.output
     assert sorted(losses(cfg)) == [1, 2, 3, 4, 5, 6]

@@ -135,6 +135,14 @@ def captured_run(directory: Path, tiny_target_dir: Path, **training: Any) -> Run
     return cfg
 
 
+def copied_run(shared: RunConfig, directory: Path, **training: Any) -> RunConfig:
+    """The session's captured run (conftest `captured_tiny_run`) copied to `directory`, with `training` settings:
+    a module that trains or evaluates in place starts from its own copy instead of capturing again."""
+    copy_run(shared.output_path, directory)
+    return shared.model_copy(update={"output_dir": str(directory),
+                                     "training": shared.training.model_copy(update=training)})
+
+
 def copy_run(source: Path, destination: Path) -> None:
     """A second run directory with the same target and features (fresh checkpoints)."""
     def outputs_of_training(directory: str, names: list[str]) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from contract.chat_rendering import bind_template_kwargs
 from contract.config import ModelConfig, RunConfig
@@ -43,7 +43,7 @@ class TargetInfo(BaseModel):
     revision: str
     converter_version: str
     architecture: str
-    model_type: str | None = None  # the family row (models/target_families.py); absent in older target.json
+    model_type: str  # the family row (models/target_families.py)
     num_hidden_layers: int
     hidden_size: int
     vocab_size: int
@@ -88,7 +88,7 @@ def describe_target(directory: Path, model: ModelConfig, revision: str) -> Targe
         revision=revision,
         converter_version=CONVERTER_VERSION,
         architecture=(config.architectures or ["unknown"])[0],
-        model_type=getattr(text_config, "model_type", None),
+        model_type=text_config.model_type,
         num_hidden_layers=text_config.num_hidden_layers,
         hidden_size=text_config.hidden_size,
         vocab_size=text_config.vocab_size,
@@ -107,7 +107,11 @@ def read_target_info(out: Path) -> TargetInfo:
     path = out / "target.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no materialised target; run the target stage first")
-    return TargetInfo.model_validate(read_json(path))
+    try:
+        return TargetInfo.model_validate(read_json(path))
+    except ValidationError as error:
+        fields = "; ".join(f"{'.'.join(map(str, item['loc']))}: {item['msg']}" for item in error.errors())
+        raise ValueError(f"{path}: not a target.json this eaglet reads ({fields}); rerun the target stage") from None
 
 
 def load_tokenizer(directory: Path, model: ModelConfig) -> Any:

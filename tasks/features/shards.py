@@ -142,21 +142,6 @@ def check_manifest(manifest: Mapping[str, Any], cfg: Any, target_info: Any) -> N
 
 # --- shards --------------------------------------------------------------------------------------------------
 
-def file_sha256(path: Path) -> str:
-    return hash_file(path)
-
-
-def shard_metadata(path: Path) -> dict[str, str]:
-    """The safetensors metadata of a shard (header only); FeatureError naming the file when unreadable."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            return dict(handle.metadata() or {})
-    except Exception as error:  # safetensors raises its own types for short files and bad headers
-        raise FeatureError(f"{path}: unreadable or truncated shard ({error})") from None
-
-
 def checked_layout(path: Path, metadata: Mapping[str, str], offsets: Tensor | None, rows_of: Mapping[str, int],
                    mode: str | None) -> list[str]:
     """The shard's record ids, after checking its schema, tensors, offsets and row counts; FeatureError names
@@ -272,7 +257,7 @@ class FeatureSet:
             if size != shard.bytes:
                 raise FeatureError(f"{shard.path}: {size} bytes on disk, the manifest records {shard.bytes} "
                                    "(truncated or rewritten)")
-            if verify and shard.sha256 and file_sha256(shard.path) != shard.sha256:
+            if verify and shard.sha256 and hash_file(shard.path) != shard.sha256:
                 raise FeatureError(f"{shard.path}: content does not match the manifest's sha256 (corrupt)")
             self.shards.append(shard)
         self._starts = [0]

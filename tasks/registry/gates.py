@@ -2,9 +2,10 @@
 
 A drafter becomes `champion` only when every gate passes. A gate that could not be measured (no serving
 engine ran, or the champion was measured on another eval set or target revision) is "not run" and blocks like a
-failed one, since nothing shows the drafter is good enough; `registry.waive_gates` names the gates allowed to go
-unmeasured, and those become "waived". The very first champion has nothing to regress against: its regression
-gate passes. Each gate keeps its measured value and its threshold, so a refusal says by how much it missed.
+failed one, since nothing shows the drafter is good enough; `registry.waive_gates` maps the gates allowed to go
+unmeasured to why they cannot be measured, and those become "waived", each carrying its reason (a recipe whose engine
+cannot be compared says so and why). The very first champion has nothing to regress against: its regression gate
+passes. Each gate keeps its measured value and its threshold, so a refusal says by how much it missed.
 
 The checkpoint checks are what `eaglet doctor` prints (docs/architecture.md §3, §5): the contract against the target,
 the tensor names and shapes the engines load, and the aux layer ids written for the export's engine.
@@ -18,6 +19,7 @@ from typing import Any, Literal, Optional
 
 from contract.checkpoint import CheckpointContract, ContractMismatch, check_against_target
 from contract.config import RegistryConfig
+from contract.reports import AcceptanceReport, AgreementCheck, BenchmarkReport, SpeedupRow
 
 PASSED, FAILED, NOT_RUN, WAIVED = "passed", "failed", "not run", "waived"
 GateStatus = Literal["passed", "failed", "not run", "waived"]
@@ -34,6 +36,7 @@ class Gate:
     measured: Any
     threshold: Any
     detail: str = ""
+    waived_by: Optional[str] = None  # "registry.waive_gates.<family>: <reason>", when that let it through unmeasured
 
     @property
     def failed(self) -> bool:
@@ -45,11 +48,15 @@ class Gate:
 
     @property
     def family(self) -> str:
-        """The name `registry.waive_gates` takes: a per-engine gate (`speedup[vllm]`) by its family (`speedup`)."""
+        """The key `registry.waive_gates` takes: a per-engine gate (`speedup[vllm]`) by its family (`speedup`)."""
         return self.name.partition("[")[0]
 
     def as_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The gate as registration.json and the version's tags hold it (`waived_by` only when waived)."""
+        data = asdict(self)
+        if data["waived_by"] is None:
+            del data["waived_by"]
+        return data
 
     def describe(self) -> str:
         """One line for people: name, verdict, measured vs threshold, why, and how a waiver applies."""
@@ -60,9 +67,9 @@ class Gate:
     def waiver_note(self) -> str:
         """An unmeasured gate says how to let it through; a waived one says what let it through."""
         if self.status == NOT_RUN:
-            return f"waive with registry.waive_gates: [{self.family}]"
+            return f"waive with registry.waive_gates: {{{self.family}: <why it cannot be measured>}}"
         if self.status == WAIVED:
-            return "waived by registry.waive_gates"
+            return f"waived by {self.waived_by}"
         return ""
 
 
@@ -85,8 +92,8 @@ class Champion:
 class GateInputs:
     """Everything the gates read: the stage reports (None when absent) and the candidate's identity."""
 
-    acceptance: dict[str, Any]
-    serving: Optional[dict[str, Any]]
+    acceptance: AcceptanceReport
+    serving: Optional[BenchmarkReport]
     data_contract: Optional[dict[str, Any]]
     target_revision: str
     eval_fingerprint: str
@@ -102,10 +109,12 @@ def evaluate_gates(inputs: GateInputs, settings: RegistryConfig) -> list[Gate]:
     return [waived(gate, settings.waive_gates) for gate in gates]
 
 
-def waived(gate: Gate, waive_gates: list[str]) -> Gate:
-    """The gate as judged, except an unmeasured one whose family the config waives: that one stops blocking."""
-    if gate.status == NOT_RUN and gate.family in waive_gates:
-        return replace(gate, status=WAIVED)
+def waived(gate: Gate, waivers: dict[str, str]) -> Gate:
+    """The gate as judged, except an unmeasured one whose family the config waives: that one stops blocking, and
+    says which waiver let it through and why."""
+    reason = waivers.get(gate.family)
+    if gate.status == NOT_RUN and reason is not None:
+        return replace(gate, status=WAIVED, waived_by=f"registry.waive_gates.{gate.family}: {reason}")
     return gate
 
 
@@ -124,11 +133,23 @@ def waived_names(gates: list[Gate]) -> list[str]:
     return [gate.name for gate in gates if gate.status == WAIVED]
 
 
-def offline_accept_length(acceptance: dict[str, Any]) -> Optional[float]:
+def waivers_used(gates: list[Gate], settings: RegistryConfig) -> dict[str, str]:
+    """Gate family -> reason, for the waivers that let a gate through: what the version records (a waiver the
+    config names for a gate that was measured let nothing through, so it is not the version's)."""
+    return {gate.family: settings.waive_gates[gate.family] for gate in gates if gate.status == WAIVED}
+
+
+def offline_accept_length(acceptance: AcceptanceReport) -> float:
     """The chain's mean accept length: the number the engines' chain drafting is compared with."""
-    chain = acceptance.get("chain") or {}
-    value = chain.get("mean_accept_length")
-    return float(value) if value is not None else None
+    return acceptance.chain.mean_accept_length
+
+
+def speedup_row(rows: list[SpeedupRow], concurrency: Optional[int]) -> tuple[Optional[int], Optional[SpeedupRow]]:
+    """(the level `registry.speedup_concurrency` names, or the lowest measured; its row, None when not measured)."""
+    if not rows:
+        return concurrency, None
+    wanted = concurrency or min(row.concurrency for row in rows)
+    return wanted, next((row for row in rows if row.concurrency == wanted), None)
 
 
 # --- the gates ------------------------------------------------------------------------------------------
@@ -144,76 +165,76 @@ def data_contract_gate(report: Optional[dict[str, Any]]) -> Gate:
     return Gate("data_contract", PASSED if passed else FAILED, passed, True, "; ".join(violations))
 
 
-def greedy_gate(acceptance: dict[str, Any]) -> Gate:
+def greedy_gate(acceptance: AcceptanceReport) -> Gate:
     """Speculative decoding must not change greedy outputs; anything but "passed" is unproven."""
-    verdict = acceptance.get("greedy_equivalence")
+    verdict = acceptance.greedy_equivalence
     detail = ""
     if verdict != "passed":
         detail = "evaluate at evaluation.temperature=0 with every output identical to the target's"
     return Gate("greedy_equivalence", PASSED if verdict == "passed" else FAILED, verdict, "passed", detail)
 
 
-def accept_length_gate(acceptance: dict[str, Any], minimum: float) -> Gate:
+def accept_length_gate(acceptance: AcceptanceReport, minimum: float) -> Gate:
     """Offline chain acceptance: the drafter's quality on held-out prompts, independent of any engine."""
     measured = offline_accept_length(acceptance)
-    if measured is None:
-        return Gate("offline_accept_length", FAILED, None, minimum, "the evaluate report has no chain.mean_accept_length")
     return Gate("offline_accept_length", PASSED if measured >= minimum else FAILED, measured, minimum,
                 "" if measured >= minimum else "registry.min_accept_length not reached")
 
 
-def serving_gates(report: Optional[dict[str, Any]], settings: RegistryConfig) -> list[Gate]:
+def serving_gates(report: Optional[BenchmarkReport], settings: RegistryConfig) -> list[Gate]:
     """The benchmark's own checks, then per engine: acceptance vs offline and speedup. "not run" without one."""
-    if report is None or report.get("skipped") or not report.get("engines"):
-        reason = "no engine ran: " + ((report or {}).get("skipped") or "no benchmark report (benchmark/report.json)")
+    if report is None or not report.measured:
+        reason = "no engine ran: " + ((report.skipped if report else None)
+                                      or "no benchmark report (benchmark/report.json)")
         thresholds = {"serving_checks": True, "engine_acceptance": settings.agreement_alpha,
                       "speedup": settings.min_speedup}
         return [Gate(name, NOT_RUN, None, threshold, reason) for name, threshold in thresholds.items()]
-    failures = report.get("failures") or []
+    failures = report.failures
     gates = [Gate("serving_checks", PASSED if not failures else FAILED, not failures, True, "; ".join(failures))]
-    for kind, engine in sorted(report["engines"].items()):
-        gates.append(engine_acceptance_gate(kind, engine, settings.agreement_alpha))
-        gates.append(speedup_gate(kind, engine.get("speedup") or [], settings))
+    for kind, engine in sorted(report.engines.items()):
+        gates.append(engine_acceptance_gate(kind, engine.acceptance_check, settings))
+        gates.append(speedup_gate(kind, engine.speedup, settings))
     return gates
 
 
-def engine_acceptance_gate(kind: str, engine: dict[str, Any], alpha: float) -> Gate:
-    """The engine drafts from what the drafter was trained on: on the offline evaluation's prompts, no draft position
-    accepts significantly differently (tasks/serving/agreement.py). Measured as the smallest per-position p-value;
-    too few drafts to tell is a gate that could not be measured, never a pass."""
-    name = f"engine_acceptance[{kind}]"
-    check = engine.get("acceptance_check") or {}
-    status = check.get("status")
-    if status in ("skipped", "inconclusive"):
-        return Gate(name, NOT_RUN, check.get("min_p_value"), alpha,
-                    f"{status}: {check.get('reason', 'the benchmark did not compare')}")
-    if status not in ("ok", "failed"):
-        return Gate(name, FAILED, None, alpha, "the benchmark report has no engine agreement check")
-    gap = check.get("relative_gap")
-    detail = ("smallest per-position p-value, engine vs offline acceptance on the same prompts"
-              + (f" (mean accept length engine {check['engine_mean_accept_length']:.3f} vs offline "
-                 f"{check['offline_mean_accept_length']:.3f}, relative gap {gap:.1%})" if gap is not None else ""))
-    if status == "failed":
-        detail = f"{detail}: {check.get('reason', '')}"
-    return Gate(name, PASSED if status == "ok" else FAILED, check.get("min_p_value"), alpha, detail)
+#: What each agreement check's measured value is, and what its two compared numbers are.
+MEASURED_AS = {"per_position": ("smallest per-position p-value", "mean accept length"),
+               "totals": ("p-value of tokens per verify round", "tokens per verify round")}
 
 
-def speedup_gate(kind: str, rows: list[dict[str, Any]], settings: RegistryConfig) -> Gate:
+def engine_acceptance_gate(kind: str, check: AgreementCheck, settings: RegistryConfig) -> Gate:
+    """The engine drafts from what the drafter was trained on: on the offline evaluation's prompts its acceptance does
+    not differ significantly from the offline decoder's, per draft position (vLLM) or in tokens per verify round
+    (SGLang). Too few drafts to tell, or no comparison, is a gate that could not be measured, never a pass; it lets
+    the version through only as "waived", when `registry.waive_gates` gives `engine_acceptance` its reason
+    (evaluate_gates). A report an older benchmark marked "waived" is unmeasured too: only the config waives."""
+    name, alpha = f"engine_acceptance[{kind}]", settings.agreement_alpha
+    if check.status in ("skipped", "inconclusive", "waived"):
+        return Gate(name, NOT_RUN, check.min_p_value, alpha, f"{check.status}: {check.reason or 'not compared'}")
+    gap = check.relative_gap
+    measured_as, compared = MEASURED_AS[check.check if check.check in MEASURED_AS else "per_position"]
+    detail = (f"{measured_as}, engine vs offline acceptance on the same prompts"
+              + (f" ({compared} engine {check.engine_mean_accept_length:.3f} vs offline "
+                 f"{check.offline_mean_accept_length:.3f}, relative gap {gap:.1%})" if gap is not None else ""))
+    if check.status == "failed":
+        detail = f"{detail}: {check.reason or ''}"
+    return Gate(name, PASSED if check.status == "ok" else FAILED, check.min_p_value, alpha, detail)
+
+
+def speedup_gate(kind: str, rows: list[SpeedupRow], settings: RegistryConfig) -> Gate:
     """Output tok/s with the drafter over without it, at `speedup_concurrency` (default: the lowest level)."""
     name = f"speedup[{kind}]"
     if not rows:
         return Gate(name, FAILED, None, settings.min_speedup, "the benchmark report has no speedup rows")
-    wanted = settings.speedup_concurrency or min(row["concurrency"] for row in rows)
-    row = next((row for row in rows if row["concurrency"] == wanted), None)
+    wanted, row = speedup_row(rows, settings.speedup_concurrency)
     if row is None:
-        measured_levels = sorted(row["concurrency"] for row in rows)
+        measured_levels = sorted(row.concurrency for row in rows)
         return Gate(name, FAILED, None, settings.min_speedup,
                     f"registry.speedup_concurrency {wanted} was not measured (levels {measured_levels})")
-    measured = row.get("output_tokens_per_s")
+    measured = row.output_tokens_per_s
     detail = f"output tok/s with / without the drafter at concurrency {wanted}"
-    per_round = row.get("per_round") or []
-    if len(per_round) > 1:
-        detail += f", median of {len(per_round)} rounds (min {row['min']:.2f}, max {row['max']:.2f})"
+    if len(row.per_round) > 1:
+        detail += f", median of {len(row.per_round)} rounds (min {row.min:.2f}, max {row.max:.2f})"
     if measured is None:
         return Gate(name, FAILED, None, settings.min_speedup, f"{detail}: the baseline produced no tokens")
     return Gate(name, PASSED if measured >= settings.min_speedup else FAILED, measured, settings.min_speedup, detail)

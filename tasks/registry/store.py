@@ -27,6 +27,8 @@ TAG_EVAL_FINGERPRINT = "eaglet.eval_fingerprint"
 TAG_ACCEPT_LENGTH = "eaglet.offline_accept_length"
 TAG_SPEEDUP = "eaglet.speedup"
 TAG_RECOMMENDED_SERVING = "eaglet.recommended_serving"
+#: JSON {gate family: reason} of the registry.waive_gates entries that let a gate through unmeasured ({}: none).
+TAG_WAIVERS = "eaglet.waivers"
 TAG_TARGET_REVISION = "contract.target_revision"
 
 

@@ -1,5 +1,8 @@
 """Does the engine draft what our offline decoder drafts? Same prompts, same budget, per-position counts, a test.
 
+This is the check for engines that count accepted draft tokens per position (vLLM); SGLang, which does not, is
+checked on totals instead (tasks/serving/totals_agreement.py); `AGREEMENT_CHECKS` says which engine gets which.
+
 The agreement run sends the offline evaluation's own prompts (its rendered token ids, so the chat rendering is the
 same by construction) to the drafting engine's `/v1/completions`, one at a time, with the evaluation's
 `max_new_tokens`, temperature and chain length, reading the engine's speculative counters around each prompt. At
@@ -20,6 +23,7 @@ from typing import Any, Optional, Sequence
 
 import httpx
 
+from contract.reports import ModeAcceptance
 from tasks.serving.spec_counters import speculative_window
 
 REQUEST_TIMEOUT_S = 600.0
@@ -118,9 +122,9 @@ def describe(row: dict[str, Any]) -> str:
             f"({(offline['rate'] or 0.0):.1%}), p = {p_value}")
 
 
-def offline_counts(chain: dict[str, Any]) -> PositionCounts:
+def offline_counts(chain: ModeAcceptance) -> PositionCounts:
     """The offline decoder's counts from the evaluate report's chain section."""
-    return PositionCounts(float(chain["rounds"]), [float(count) for count in chain["accepted_per_position"]])
+    return PositionCounts(float(chain.rounds), [float(count) for count in chain.accepted_per_position])
 
 
 def engine_counts(per_prompt: list[dict[str, Any]]) -> PositionCounts:
@@ -130,9 +134,11 @@ def engine_counts(per_prompt: list[dict[str, Any]]) -> PositionCounts:
     return counts
 
 
-#: Engines whose metrics count accepted draft tokens per position (SGLang's gauges are means): the only ones the
-#: agreement run is worth an engine's time on.
-PER_POSITION_ENGINES = ("vllm",)
+#: Which check each engine can pass or fail: per draft position where its metrics count accepted tokens per
+#: position (vLLM); on totals where only each request's verify rounds and tokens are reported (SGLang's /generate,
+#: tasks/serving/totals_agreement.py). An engine not named here can only be waived
+#: (registry.waive_gates.engine_acceptance, with its reason).
+AGREEMENT_CHECKS = {"vllm": "per_position", "sglang": "totals"}
 
 
 def run_agreement(engine: Any, kind: str, prompts: Sequence[Any], max_tokens: int, temperature: float) -> list[dict[str, Any]]:

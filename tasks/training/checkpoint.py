@@ -6,8 +6,8 @@ checkpoint is written under a temp name and renamed; the last `keep_last` are ke
 `simulated_accept_len`. Resuming with a different `math` field is refused, naming the field; nothing is deleted
 for it (tasks/training/previous_run.py sets an old run aside only when asked to start over).
 
-`training.resume_from`: `auto` (default; `latest` is the same) continues the newest checkpoint when there is one,
-`none` starts over, a path continues that checkpoint.
+`training.resume_from`: `auto` (default) continues the newest checkpoint when there is one, `none` starts over,
+a path continues that checkpoint.
 """
 
 from __future__ import annotations
@@ -23,20 +23,15 @@ import numpy
 import torch
 from safetensors.torch import load_file, save_file
 
-from contract.config import RunConfig
+from contract.config import RESUME_AUTO, RESUME_NONE, RunConfig
 from tasks.common.artifacts import atomic_directory, write_json
 from tasks.training.batch_plan import Cursor
 
 BEST_LINK = "best.json"
-RESUME_AUTO, RESUME_LATEST, RESUME_NONE = "auto", "latest", "none"
 
 
 class ResumeRefused(ValueError):
     """A checkpoint trained under different math than the run that wants to continue it."""
-
-
-#: What checkpoints written before a math field was recorded were trained under (they resume when it still holds).
-EARLIER_MATH: dict[str, Any] = {"training.shuffle": "plain"}
 
 
 def shuffle_math(shuffle_groups: int, buffer_shards: int) -> str:
@@ -129,10 +124,10 @@ def load_checkpoint(directory: Path, rank: int) -> LoadedCheckpoint:
 
 
 def differing_math(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """One line per math field whose value differs between a checkpoint and this run."""
-    recorded = {**EARLIER_MATH, **saved}
-    return [f"{name}: checkpoint {recorded.get(name)!r}, run {value!r}" for name, value in wanted.items()
-            if recorded.get(name) != value]
+    """One line per math field whose value differs between a checkpoint and this run; a field the checkpoint
+    does not record differs too (what it was trained under is unknown)."""
+    return [f"{name}: checkpoint {repr(saved[name]) if name in saved else 'not recorded'}, run {value!r}"
+            for name, value in wanted.items() if name not in saved or saved[name] != value]
 
 
 def check_resumable(saved: dict[str, Any], wanted: dict[str, Any], directory: Path) -> None:
@@ -160,7 +155,7 @@ def resume_point(root: Path, resume_from: str, wanted_math: dict[str, Any]) -> O
     """The checkpoint this run continues (None: start fresh); refuses one trained under other math."""
     if resume_from == RESUME_NONE:
         return None
-    if resume_from in (RESUME_AUTO, RESUME_LATEST):
+    if resume_from == RESUME_AUTO:
         checkpoint = latest_checkpoint(root)
     else:
         checkpoint = Path(resume_from)

@@ -1,0 +1,65 @@
+"""An in-process server answering SGLang's native `POST /generate` the way SGLang does with EAGLE drafting on.
+
+Each prompt (its `input_ids`, as a tuple) maps to a scripted decode: the verify rounds it takes and the tokens it
+emits. The reply carries SGLang's `meta_info` (`completion_tokens`, the prefill's token included, and
+`spec_verify_ct`, the verify rounds), cut at the request's `max_new_tokens` the way SGLang stops appending a round's
+tokens once the budget is reached. Every request body is kept, to check what the replay sent. Binds 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class GenerateServer:
+    """`decodes` maps input ids to the accept length of each verify round (accepted drafts + the bonus token)."""
+
+    def __init__(self, decodes: dict[tuple[int, ...], list[int]]) -> None:
+        self.decodes = decodes
+        self.bodies: list[dict[str, Any]] = []
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
+        self.root_url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def reply(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The first token from the prefill, then each round's tokens until the budget is spent."""
+        budget = body["sampling_params"]["max_new_tokens"]
+        emitted, rounds = 1, 0
+        for accept_length in self.decodes[tuple(body["input_ids"])]:
+            if emitted >= budget:
+                break
+            rounds += 1
+            emitted = min(budget, emitted + accept_length)
+        return {"text": "x" * emitted, "meta_info": {
+            "id": f"req-{len(self.bodies)}", "prompt_tokens": len(body["input_ids"]), "completion_tokens": emitted,
+            "spec_verify_ct": rounds, "cached_tokens": 0, "e2e_latency": 0.01,
+            "finish_reason": {"type": "length", "length": budget}}}
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        scripted = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                return None
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                scripted.bodies.append(body)
+                payload = json.dumps(scripted.reply(body)).encode()
+                self.send_response(200 if self.path == "/generate" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        return Handler
+
+    def __enter__(self) -> "GenerateServer":
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
