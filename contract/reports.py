@@ -140,15 +140,15 @@ class SweepRow(Report):
     predicted_speedup: Optional[float]
 
 
-AgreementStatus = Literal["ok", "failed", "inconclusive", "skipped", "waived"]
-AgreementMethod = Literal["per_position", "totals", "waived"]
+AgreementStatus = Literal["ok", "failed", "inconclusive", "skipped"]
+AgreementMethod = Literal["per_position", "totals"]
 
 
 class AgreementCheck(Report):
     """Does the engine draft what the offline decoder drafts (tasks/serving/agreement.py, totals_agreement.py)?
-    `check` says which test ran: per draft position (vLLM's counters), on totals (SGLang's per-request
-    counts), or none when nothing was measured ("waived" is what older benchmarks wrote then; the registry waives
-    only through registry.waive_gates)."""
+    `check` says which test ran: per draft position (vLLM's counters) or on totals (SGLang's per-request counts);
+    None when none could run (skipped, or an engine neither check reads). Whether an unmeasured check may pass is
+    the registry's call (registry.waive_gates), never the report's."""
 
     status: AgreementStatus
     check: Optional[AgreementMethod] = None

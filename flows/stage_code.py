@@ -133,9 +133,15 @@ def import_closure(roots: list[str], index: ModuleIndex) -> set[str]:
     return seen
 
 
+@lru_cache(maxsize=4)
+def module_index(root: Path) -> ModuleIndex:
+    """The project's modules under `root`, scanned once per process (every stage's closure walks the same files)."""
+    return ModuleIndex.scan(root)
+
+
 def derive_code_deps(stage_module: str, files: tuple[str, ...], root: Path) -> tuple[str, ...]:
     """Sorted repository paths of the code `stage_module` runs plus `files`, without EXEMPT modules."""
-    index = ModuleIndex.scan(root)
+    index = module_index(root)
     if stage_module not in index.files:
         raise StageCodeError(f"stage module {stage_module} has no file under {root}")
     roots = [stage_module, *(index.module_of(file) for file in files if file.endswith(".py"))]

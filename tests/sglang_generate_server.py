@@ -9,19 +9,19 @@ tokens once the budget is reached. Every request body is kept, to check what the
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
+from in_process_server import InProcessServer
 
-class GenerateServer:
+
+class GenerateServer(InProcessServer):
     """`decodes` maps input ids to the accept length of each verify round (accepted drafts + the bonus token)."""
 
     def __init__(self, decodes: dict[tuple[int, ...], list[int]]) -> None:
         self.decodes = decodes
         self.bodies: list[dict[str, Any]] = []
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
-        self.root_url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        super().__init__()
 
     def reply(self, body: dict[str, Any]) -> dict[str, Any]:
         """The first token from the prefill, then each round's tokens until the budget is spent."""
@@ -55,11 +55,3 @@ class GenerateServer:
                 self.wfile.write(payload)
 
         return Handler
-
-    def __enter__(self) -> "GenerateServer":
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.shutdown()
-        self.server.server_close()

@@ -13,7 +13,7 @@ import asyncio
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -23,6 +23,7 @@ import pytest
 from config_reads import ConfigReads
 from contract.config import RunConfig
 from contract.records import PromptRecord
+from in_process_server import InProcessServer
 from flows.stages import NOT_INPUTS, STAGE_READS
 from report_builders import acceptance_report, mode_acceptance
 from tasks import benchmark
@@ -76,7 +77,7 @@ def test_a_level_summary_counts_tokens_over_wall_time_and_reports_milliseconds()
 # --- the streaming client against a scripted server ----------------------------------------------------
 
 
-class ScriptedServer:
+class ScriptedServer(InProcessServer):
     """An OpenAI-style SSE server: a role chunk, then `pieces` one per `gap_s` after `first_s`, then usage.
 
     A user message "fail" answers HTTP 500; "no-usage" leaves the usage chunk out. It records how many
@@ -88,8 +89,8 @@ class ScriptedServer:
         self.bodies: list[dict[str, Any]] = []
         self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
-        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        super().__init__()
+        self.base_url = f"{self.root_url}/v1"
 
     def handler(self) -> type[BaseHTTPRequestHandler]:
         scripted = self
@@ -150,14 +151,6 @@ class ScriptedServer:
                 self.wfile.flush()
 
         return Handler
-
-    def __enter__(self) -> "ScriptedServer":
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

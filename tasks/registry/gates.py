@@ -207,12 +207,14 @@ def engine_acceptance_gate(kind: str, check: AgreementCheck, settings: RegistryC
     not differ significantly from the offline decoder's, per draft position (vLLM) or in tokens per verify round
     (SGLang). Too few drafts to tell, or no comparison, is a gate that could not be measured, never a pass; it lets
     the version through only as "waived", when `registry.waive_gates` gives `engine_acceptance` its reason
-    (evaluate_gates). A report an older benchmark marked "waived" is unmeasured too: only the config waives."""
+    (evaluate_gates)."""
     name, alpha = f"engine_acceptance[{kind}]", settings.agreement_alpha
-    if check.status in ("skipped", "inconclusive", "waived"):
+    if check.status in ("skipped", "inconclusive"):
         return Gate(name, NOT_RUN, check.min_p_value, alpha, f"{check.status}: {check.reason or 'not compared'}")
+    if check.check is None:  # failed before any comparison ran (an evaluation of another chain length)
+        return Gate(name, FAILED, None, alpha, check.reason or "the benchmark compared nothing")
     gap = check.relative_gap
-    measured_as, compared = MEASURED_AS[check.check if check.check in MEASURED_AS else "per_position"]
+    measured_as, compared = MEASURED_AS[check.check]
     detail = (f"{measured_as}, engine vs offline acceptance on the same prompts"
               + (f" ({compared} engine {check.engine_mean_accept_length:.3f} vs offline "
                  f"{check.offline_mean_accept_length:.3f}, relative gap {gap:.1%})" if gap is not None else ""))
