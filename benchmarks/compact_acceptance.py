@@ -22,6 +22,7 @@ import yaml
 
 from contract.config import RunConfig
 from models.eagle3 import Eagle3Config, Eagle3Draft
+from models.teacher import Teacher
 from models.target_loading import load_target
 from models.ttt import ttt_forward
 from models.vocab_mapping import load_vocab_mapping
@@ -62,13 +63,14 @@ def new_draft(cfg: RunConfig, target, vocab, seed: int) -> Eagle3Draft:
 def train(draft: Eagle3Draft, features: FeatureSet, lm_head: torch.Tensor, epochs: int, steps: int, seed: int,
           learning_rate: float) -> float:
     optimizer = torch.optim.AdamW(draft.parameters(), lr=learning_rate)
+    teacher = Teacher(lm_head, draft.t2d)
     order = list(range(len(features)))
     started, tokens = time.perf_counter(), 0
     for epoch in range(epochs):
         random.Random(seed + epoch).shuffle(order)
         for index in order:
             record = features[index]
-            batch = collate([record], lm_head, draft.t2d)
+            batch = collate([record], teacher)
             optimizer.zero_grad()
             ttt_forward(draft, batch, steps).loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)
@@ -102,7 +104,7 @@ def main() -> None:
             speed = train(draft, features, lm_head, args.epochs, args.steps, seed, args.learning_rate)
             manifest = json.loads((cfg.output_path / "features" / "manifest.json").read_text())
             row = {"seed": seed, "bytes_per_token": manifest["bytes_per_token"], "ratio_to_specforge": manifest["ratio_to_specforge"],
-                   "train_tokens_per_s": speed, **evaluate_features(draft, truth, lm_head, args.steps)}
+                   "train_tokens_per_s": speed, **evaluate_features(draft, truth, Teacher(lm_head, draft.t2d), args.steps)}
             results[name].append(row)
             print(name, json.dumps({key: round(value, 4) for key, value in row.items()}), flush=True)
     mean = {name: sum(row["simulated_accept_len"] for row in rows) / len(rows) for name, rows in results.items()}

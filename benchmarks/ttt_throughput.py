@@ -17,7 +17,8 @@ import torch
 
 import models.ttt as ttt
 from models.eagle3 import Eagle3Config, Eagle3Draft
-from models.ttt import TTTBatch, teacher_from_hidden, ttt_forward
+from models.teacher import teacher_from_hidden
+from models.ttt import TTTBatch, ttt_forward
 
 PROMPT_SHARE = 0.37  # unsupervised share of tokens in the embedded run's train features (1 - 8154/12936)
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

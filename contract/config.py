@@ -308,6 +308,10 @@ class TrainingConfig(Section):
     weight_decay: float = Field(default=0.0, ge=0.0)
     warmup_ratio: float = Field(default=0.02, ge=0.0, le=1.0)
     max_grad_norm: float = Field(default=0.5, gt=0.0)
+    hidden_noise_std: float = Field(
+        default=0.0, ge=0.0, description="std of Gaussian noise added to the target's aux hidden states of each "
+        "training batch (not evaluation): the draft learns to tolerate the drift its own predictions cause at serving "
+        "time (EAGLE adds uniform noise, speculators Gaussian of std 0.05); 0 adds none")
     freeze_lm_head: bool = Field(
         default=False, description="keep the draft's lm_head at the target's rows (as EAGLE-1/2 reuse the target's "
         "head): fewer weights to learn from little data")
@@ -333,7 +337,8 @@ class TrainingConfig(Section):
     )
     attention_backend: Literal["sdpa", "flash_attn"] = "sdpa"
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        default="auto", description="auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU")
+        default="auto", description="auto: bf16 autocast with fp32 master weights and an fp32 loss on GPU and on CPUs "
+        "with bf16 matrix units (AMX or AVX512-BF16, read from the CPU's flags), fp32 on other CPUs")
 
     @field_validator("resume_from", mode="before")
     @classmethod

@@ -182,6 +182,23 @@ def run(
         refuse("run", error)
     print_summaries(summaries)
     print_where_things_are(cfg)
+    print_roofline(cfg, summaries)
+
+
+def print_roofline(cfg: RunConfig, summaries: dict[str, dict[str, float]]) -> None:
+    """The last lines of a run: how much of this host's matmul peak each compute stage used (tasks/common/roofline.py),
+    written beside the run and logged to its MLflow run. A report after the fact: it never fails the run."""
+    from flows.tracking import log_to_pipeline_run
+    from tasks.common.roofline import RooflineUnavailable, write_roofline
+
+    try:
+        roofline = write_roofline(cfg, summaries)
+        console.print(roofline.table, soft_wrap=True, markup=False, highlight=False)
+        log_to_pipeline_run(cfg, [roofline.json_path, roofline.png_path], "roofline")
+    except RooflineUnavailable as error:
+        console.print(f"roofline: not computed: {error}", soft_wrap=True, markup=False, highlight=False)
+    except Exception as error:  # the run itself succeeded: one line says what went wrong with its report
+        console.print(f"roofline: {type(error).__name__}: {error}", soft_wrap=True, markup=False, highlight=False)
 
 
 def print_where_things_are(cfg: RunConfig) -> None:

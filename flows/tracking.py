@@ -72,3 +72,25 @@ def joined_run(cfg: RunConfig, run_id: Optional[str]) -> Iterator[None]:
         yield
     finally:
         mlflow.end_run(status="RUNNING")
+
+
+def log_to_pipeline_run(cfg: RunConfig, files: list[Path], artifact_path: str) -> Optional[str]:
+    """Attach files made after the flow (the roofline) to the newest pipeline run of this run_id, the one `eaglet run`
+    just ended; returns its id, or None when tracking is off or no pipeline run is recorded."""
+    if not cfg.tracking.enabled:
+        return None
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+    if experiment is None:
+        return None
+    pipeline_runs = f"tags.`eaglet.run_id` = '{cfg.run_id}' and tags.`eaglet.kind` = 'pipeline'"
+    runs = client.search_runs([experiment.experiment_id], filter_string=pipeline_runs, max_results=1,
+                              order_by=["attributes.start_time DESC"])
+    if not runs:
+        return None
+    run_id = runs[0].info.run_id
+    for path in files:
+        client.log_artifact(run_id, str(path), artifact_path)
+    return run_id

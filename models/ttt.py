@@ -57,20 +57,11 @@ class TTTOutput:
 
     def metrics(self) -> dict[str, float]:
         values = {"loss": float(self.loss.detach()), "simulated_accept_len": self.simulated_accept_len}
-        for step, (ploss, acc, accept) in enumerate(zip(self.ploss, self.acc, self.expected_accept)):
-            values.update({f"ploss_{step}": float(ploss.detach()), f"acc_{step}": acc, f"expected_accept_{step}": accept})
+        for step, (ploss, acc) in enumerate(zip(self.ploss, self.acc)):
+            values.update({f"ploss_{step}": float(ploss.detach()), f"acc_{step}": acc})
+        for step, accept in enumerate(self.expected_accept):
+            values[f"expected_accept_{step}"] = accept
         return values
-
-
-def teacher_from_hidden(hidden_state: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(full-vocab target probabilities of the draft tokens, full-vocab top-1, top-1 in draft vocab) from final
-    normed states. The probabilities are not renormalised: the mass outside the draft vocab is what no draft
-    token can earn in expected acceptance (the loss renormalises them, `renormalised`)."""
-    with torch.no_grad():
-        logits = hidden_state.float() @ lm_head_weight.float().T
-        top1 = logits.argmax(dim=-1)
-        probs = torch.softmax(logits, dim=-1)[..., t2d]
-    return probs, top1, t2d[top1]
 
 
 def renormalised(probs: torch.Tensor) -> torch.Tensor:
@@ -217,21 +208,28 @@ def weighted_diagonal_values(weights: torch.Tensor, diagonal_values: list[torch.
     return total.flatten(1, 2)
 
 
-def step_loss(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor,
+def step_loss(logits: torch.Tensor, target_probs: torch.Tensor, draft_mass: torch.Tensor, mask: torch.Tensor,
               normaliser: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ploss = -(1/(B*T)) * sum_t mask[t] * sum_v p[t,v] * log_softmax(logits[t])[v] (normaliser = B*T)."""
+    """ploss = -(1/(B*T)) * sum_t mask[t] * sum_v p'[t,v] * log_softmax(logits[t])[v] (normaliser = B*T), with p' the
+    teacher renormalised over the draft vocab: p / its draft mass, divided per position rather than per element."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    per_position = (target_probs * log_probs).sum(-1)
+    per_position = (target_probs * log_probs).sum(-1) / draft_mass
     return -(mask * per_position).sum() / normaliser, log_probs
+
+
+def draft_mass(probs: torch.Tensor) -> torch.Tensor:
+    """Each row's teacher mass on the draft vocab (what `renormalised` divides by)."""
+    return probs.sum(dim=-1).clamp_min(torch.finfo(probs.dtype).tiny)
 
 
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8,
                 positions: Optional[torch.Tensor] = None, normaliser: Optional[int] = None,
-                attention_backend: str = "sdpa") -> TTTOutput:
+                attention_backend: str = "sdpa", expected_acceptance: bool = True) -> TTTOutput:
     """Unroll `steps` draft steps with teacher forcing; loss = sum_k decay**k * ploss_k.
 
     `normaliser` is the B*T of the formula; by default the batch's padded size. A data-parallel step
-    passes the global batch's token count so every rank's share adds up to the same loss."""
+    passes the global batch's token count so every rank's share adds up to the same loss. Without
+    `expected_acceptance` (training steps, which log only loss and accuracy) that metric is not computed."""
     size, length = batch.input_ids.shape
     if positions is None:
         positions = torch.arange(length, device=batch.input_ids.device).expand(size, -1)
@@ -241,8 +239,10 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
     # supervised position, since an engine cannot accept a token its draft cannot propose.
     supervised = shift_left(batch.loss_mask.float(), 1)
     mask = supervised * shift_left(batch.target_top1_in_draft.float(), 1)
-    probs = shift_left(batch.target_probs, 1)
-    top1 = shift_left(batch.target_top1, 1)
+    # The teacher's rows are gathered per step where they are used, not shifted whole ([B, T, Vd] per step).
+    teacher_rows = batch.target_probs.reshape(size * length, -1)
+    teacher_mass = draft_mass(teacher_rows)
+    teacher_top1 = batch.target_top1.reshape(-1)
 
     hidden = draft.project(batch.aux_hidden_state)
     keys0 = values0 = None
@@ -251,8 +251,6 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
     output = TTTOutput(loss=hidden.new_zeros(()))
     for step in range(steps):
         step_ids, step_supervised = shift_left(ids, step), shift_left(supervised, step)
-        step_mask = shift_left(mask, step)
-        step_probs, step_top1 = shift_left(probs, step), shift_left(top1, step)
         projections = draft.project_qkv(step_ids, hidden, positions + step)
         if step == 0:
             keys0, values0 = projections.keys, projections.values
@@ -265,28 +263,39 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         # Logits only at supervised positions: the lm_head dominates the cost, and unsupervised positions
         # (prompts, padding, past the end) add nothing to the loss or the metrics.
         chosen = step_supervised > 0
+        rows = teacher_row_index(chosen, step)
+        step_probs = teacher_rows.index_select(0, rows)
         logits = draft.logits(hidden[chosen])
-        ploss, log_probs = step_loss(logits, renormalised(step_probs[chosen]), step_mask[chosen],
-                                     normaliser=normaliser or step_mask.numel())
+        ploss, log_probs = step_loss(logits, step_probs, teacher_mass[rows], shift_left(mask, step)[chosen],
+                                     normaliser=normaliser or mask.numel())
         output.loss = output.loss + decay ** step * ploss
         output.ploss.append(ploss)
-        record_step_metrics(output, draft, log_probs, step_probs[chosen], step_top1[chosen])
+        record_step_metrics(output, draft, log_probs, step_probs if expected_acceptance else None, teacher_top1[rows])
     return output
 
 
-def record_step_metrics(output: TTTOutput, draft: Eagle3Draft, log_probs: torch.Tensor, target_probs: torch.Tensor,
-                        target_top1: torch.Tensor) -> None:
+def teacher_row_index(chosen: torch.Tensor, step: int) -> torch.Tensor:
+    """Flat [B*T] row of the teacher each chosen position (b, t) of step `step` learns: token t + 1 + step of
+    record b (in range: a chosen position is supervised, so that token exists), in the order `x[chosen]` takes."""
+    batch_rows, positions = chosen.nonzero(as_tuple=True)
+    return batch_rows * chosen.shape[1] + positions + 1 + step
+
+
+def record_step_metrics(output: TTTOutput, draft: Eagle3Draft, log_probs: torch.Tensor,
+                        target_probs: Optional[torch.Tensor], target_top1: torch.Tensor) -> None:
     """Both over every supervised position of the step (the rows given), as an engine sees them.
 
     acc_k: draft top-1 (mapped to the target vocab) == target top-1; a target top-1 outside the draft vocab
-    is a miss, since the draft cannot propose it. expected_accept_k: the chance that speculative sampling
-    accepts the draft's sampled token, sum_v q(v) min(1, p(v) / q(v)) = sum_v min(q(v), p(v)), with p the
-    target's full-vocab probabilities (not renormalised: its mass outside the draft vocab is never accepted)."""
+    is a miss, since the draft cannot propose it. expected_accept_k (when `target_probs` are given): the chance
+    that speculative sampling accepts the draft's sampled token, sum_v q(v) min(1, p(v) / q(v)) = sum_v min(q(v), p(v)),
+    with p the target's full-vocab probabilities (not renormalised: its mass outside the draft vocab is never
+    accepted)."""
+    supervised = float(log_probs.shape[0])
     with torch.no_grad():
         draft_top1 = draft.draft_to_target(log_probs.argmax(dim=-1))
         correct = float((draft_top1 == target_top1).sum())
-        accepted = float(torch.minimum(log_probs.exp(), target_probs).sum())
-    supervised = float(log_probs.shape[0])
-    output.acc.append(correct / supervised if supervised else 0.0)
-    output.expected_accept.append(accepted / supervised if supervised else 0.0)
+        output.acc.append(correct / supervised if supervised else 0.0)
+        if target_probs is not None:
+            accepted = float(torch.minimum(log_probs.exp(), target_probs).sum())
+            output.expected_accept.append(accepted / supervised if supervised else 0.0)
     output.supervised.append(supervised)

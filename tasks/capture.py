@@ -64,6 +64,7 @@ class CaptureResult:
             for name in ("records", "tokens", "supervised_tokens", "bytes_per_token", "ratio_to_specforge"):
                 numbers[f"{split}_{name}"] = info[name]
         numbers["vocab_coverage"] = self.manifest["vocab_mapping"].get("coverage", 1.0)
+        numbers["capture_tokens_per_second"] = self.report.metrics.get("capture_tokens_per_second", 0.0)
         return numbers
 
     def reports(self) -> list[Path]:

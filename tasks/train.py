@@ -26,6 +26,7 @@ and the engine exports `draft/sglang`, `draft/vllm`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -45,10 +46,12 @@ from contract.config import RunConfig
 from contract.config_loading import config_as_yaml, load_config
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.target_heads import TargetHeads, load_target_heads
+from models.teacher import Teacher
 from models.ttt import TTTBatch, TTTOutput, check_attention_backend, simulated_accept_length, ttt_forward
 from models.vocab_mapping import load_vocab_mapping
 from tasks.common.artifacts import atomic_file, read_json, write_json
 from tasks.common.devices import autocast, compute_dtype, resolve_device
+from tasks.common.host_compute import host_compute
 from tasks.features.batches import collate
 from tasks.features.engine_states import EngineStates, online_capture_engine
 from tasks.features.shards import FeatureSet, check_manifest
@@ -88,16 +91,28 @@ class TrainResult:
 class TTTStep(nn.Module):
     """The draft's training-time test as one module call, so DistributedDataParallel can wrap it."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, attention_backend: str = "sdpa") -> None:
+    def __init__(self, draft: Eagle3Draft, steps: int, attention_backend: str = "sdpa",
+                 hidden_noise_std: float = 0.0) -> None:
         super().__init__()
         self.draft = draft
         self.steps = steps
         self.attention_backend = attention_backend
+        self.hidden_noise_std = hidden_noise_std
 
     def forward(self, batch: TTTBatch, normaliser: int) -> tuple[torch.Tensor, TTTOutput]:
+        if self.hidden_noise_std > 0:
+            batch = with_hidden_noise(batch, self.hidden_noise_std)
         output = ttt_forward(self.draft, batch, self.steps, normaliser=normaliser,
-                             attention_backend=self.attention_backend)
+                             attention_backend=self.attention_backend, expected_acceptance=False)
         return output.loss, output
+
+
+def with_hidden_noise(batch: TTTBatch, std: float) -> TTTBatch:
+    """The batch with Gaussian noise of `std` on its aux hidden states (drawn from torch's global generator, whose
+    state every checkpoint saves, so a resumed run draws the same noise)."""
+    noise = torch.randn(batch.aux_hidden_state.shape, device=batch.aux_hidden_state.device) * std
+    return dataclasses.replace(batch, aux_hidden_state=(batch.aux_hidden_state.float() + noise).to(
+        batch.aux_hidden_state.dtype))
 
 
 def run(cfg: RunConfig) -> TrainResult:
@@ -190,6 +205,7 @@ class Loop:
     train_set: Any                   # FeatureSet (offline) or OnlineFeatures (online)
     eval_set: Any
     heads: TargetHeads
+    teacher: Teacher                 # the target's distribution over the draft vocab, in the compute dtype
     manifest: dict[str, Any]
     dtype: torch.dtype
     lengths: list[int]
@@ -217,7 +233,8 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     strategy = cfg.deployment.trainer.strategy
     sharded = strategy == "fsdp" and env.world_size > 1
     full_draft = build_draft(cfg, heads, manifest, env.device) if sharded else draft
-    module = parallelise(TTTStep(draft, cfg.training.ttt_length, cfg.training.attention_backend), strategy, env)
+    module = parallelise(TTTStep(draft, cfg.training.ttt_length, cfg.training.attention_backend,
+                                 cfg.training.hidden_noise_std), strategy, env)
     trainable = [parameter for parameter in module.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
     index = train_set.index()  # offline: every shard's header and offsets
@@ -245,8 +262,9 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
         scheduler.load_state_dict(state.scheduler)
     kept_steps = cut_step_log(cfg.output_path, state.step) if env.is_main and state.step else []
     env.barrier()
-    loop = Loop(cfg, env, draft, full_draft, module, optimizer, scheduler, train_set, eval_set, heads, manifest, dtype, lengths,
-                record_ids, total_steps, math_now, state)
+    teacher = Teacher(heads.lm_head, draft.t2d, dtype)
+    loop = Loop(cfg, env, draft, full_draft, module, optimizer, scheduler, train_set, eval_set, heads, teacher, manifest,
+                dtype, lengths, record_ids, total_steps, math_now, state)
     with training_tracker(cfg, env) as tracker:
         loop.tracker = tracker
         if tracker is not None:
@@ -366,7 +384,7 @@ def micro_batch(loop: Loop, global_batch: list[int]) -> tuple[TTTBatch, list[dic
     env = loop.env
     mine = rank_share(global_batch, env.rank, env.world_size)
     records = loop.train_set.records(mine or global_batch[:1])
-    batch = collate(records, loop.heads.lm_head, loop.draft.t2d)
+    batch = collate(records, loop.teacher)
     if not mine:
         batch.loss_mask.zero_()
         records = []
@@ -403,6 +421,7 @@ def train_step(loop: Loop, micro_batches: list[list[int]]) -> dict[str, float]:
 def step_metrics(loop: Loop, reduced: list[float], steps: int, elapsed: float, grad_norm: float) -> dict[str, float]:
     """Per-step numbers from the rank-summed StepTotals.flat()."""
     metrics = {"loss": reduced[0], "lr": loop.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+               "tokens": reduced[1 + 3 * steps], "step_seconds": elapsed,
                "tokens_per_second": reduced[1 + 3 * steps] / elapsed,
                "data_wait_share": reduced[2 + 3 * steps] / loop.env.world_size / elapsed}
     for step in range(steps):
@@ -467,19 +486,19 @@ def evaluate(loop: Loop) -> dict[str, float]:
     draft = gathered_draft(loop)
     if not loop.env.is_main:
         return {}
-    return evaluate_features(draft, loop.eval_set, loop.heads.lm_head, loop.cfg.training.ttt_length,
-                             loop.cfg.training.attention_backend, loop.dtype)
+    return evaluate_features(draft, loop.eval_set, loop.teacher, loop.cfg.training.ttt_length,
+                             loop.cfg.training.attention_backend)
 
 
-def evaluate_features(draft: Eagle3Draft, features: Any, lm_head: torch.Tensor, steps: int,
-                      attention_backend: str = "sdpa", dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def evaluate_features(draft: Eagle3Draft, features: Any, teacher: Teacher, steps: int,
+                      attention_backend: str = "sdpa") -> dict[str, float]:
     """acc_k, expected acceptance and ploss per depth over every record, weighted by supervised positions,
-    and the simulated accept length of a chain of `steps`."""
+    and the simulated accept length of a chain of `steps` (in the teacher's compute dtype)."""
     correct, counts, accepted = [0.0] * steps, [0.0] * steps, [0.0] * steps
     ploss = [0.0] * steps
-    with torch.no_grad(), autocast(lm_head.device, dtype):
+    with torch.no_grad(), autocast(teacher.device, teacher.dtype):
         for record in features:
-            output = ttt_forward(draft, collate([record], lm_head, draft.t2d), steps,
+            output = ttt_forward(draft, collate([record], teacher), steps,
                                  attention_backend=attention_backend)
             for step in range(steps):
                 counts[step] += output.supervised[step]
@@ -508,6 +527,7 @@ def finish(loop: Loop, before: dict[str, float]) -> TrainResult:
         plot = plot_accuracy(state.eval_metrics, before, cfg.output_path / "train" / "accuracy_by_depth.png")
         summary = {"steps": state.step, "total_steps": loop.total_steps, "complete": complete, "world_size": env.world_size,
                    "strategy": cfg.deployment.trainer.strategy, "mode": cfg.training.mode,
+                   "precision": loop.math["training.precision"], "host": host_compute().as_record(),
                    **{f"eval_{key}": value for key, value in state.eval_metrics.items()},
                    **{f"untrained_{key}": value for key, value in before.items() if key == "simulated_accept_len"}}
         if loop.history:
@@ -515,6 +535,8 @@ def finish(loop: Loop, before: dict[str, float]) -> TrainResult:
             summary["data_wait_share"] = sum(h["data_wait_share"] for h in loop.history) / len(loop.history)
         write_json(summary_path, summary)
         if loop.tracker is not None:
+            loop.tracker.set_tags({"eaglet.precision": loop.math["training.precision"],
+                                   "eaglet.cpu_flags": " ".join(host_compute().flags)})
             if plot is not None:
                 loop.tracker.log_artifact(str(plot), "train")
             for engine in ENGINES:

@@ -39,6 +39,18 @@ def one_compute_thread() -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def matplotlib_font_cache() -> None:
+    """Build matplotlib's font cache before any test: on a fresh machine its first plot runs `fc-list`, which would
+    read as a process started by whichever unit test happens to plot first (tests/tiers.py)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import font_manager
+
+    font_manager.findfont("DejaVu Sans")
+
+
+@pytest.fixture(scope="session", autouse=True)
 def isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Keep eaglet's conversion cache inside the test session."""
     cache = tmp_path_factory.mktemp("eaglet-cache")

@@ -16,7 +16,8 @@ from contract.checkpoint import CheckpointContract, ContractMismatch
 from contract.records import Message
 from models.draft_checkpoint import EXPECTED_TENSORS, engine_layer_ids, load_pretrained, save_pretrained
 from models.eagle3 import Eagle3Config, Eagle3Draft
-from models.ttt import TTTBatch, teacher_from_hidden, ttt_forward
+from models.teacher import teacher_from_hidden
+from models.ttt import TTTBatch, ttt_forward
 
 AUX_LAYERS = [1, 2, 3]
 CONVERSATIONS = [

@@ -101,7 +101,7 @@ ITEMS = [
 
 
 def test_a_reasoning_server_run_expands_turns_counts_them_and_names_each_bad_reply(
-        tmp_path: Path, thinking_target: Path) -> None:
+        tmp_path: Path, thinking_target: Path, subprocesses: None) -> None:
     (tmp_path / "script.json").write_text(json.dumps(REPLIES))
     server = ChatServer(thinking_target, free_port(), "--scripted", str(tmp_path / "script.json"))
     try:

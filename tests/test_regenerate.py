@@ -176,7 +176,7 @@ def test_a_journal_for_other_settings_is_not_resumed(tmp_path: Path, tiny_target
 
 
 @pytest.fixture
-def serve_tiny(tiny_target_dir: Path) -> Iterator:
+def serve_tiny(tiny_target_dir: Path, subprocesses: None) -> Iterator:
     servers: list[ChatServer] = []
 
     def start(*options: str, port: int | None = None) -> ChatServer:

@@ -18,7 +18,6 @@ from test_regenerate import by_id, journal_entries, prepare_run, read_regenerate
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
-pytestmark = pytest.mark.slow
 # Single turns: a later turn's prompt holds the earlier answer's text, and the random tiny model's
 # byte-level pieces decode differently at a cut (see complete_text), which would fork the history.
 SINGLE_TURN = [{"id": key, "messages": [{"role": "user", "content": text}]}
@@ -26,9 +25,8 @@ SINGLE_TURN = [{"id": key, "messages": [{"role": "user", "content": text}]}
 
 
 @pytest.fixture(autouse=True)
-def vllm_environment() -> None:
-    if not VLLM_PYTHON.is_file():
-        pytest.fail(f"the vLLM engine environment is missing ({VLLM_PYTHON}): run `make serve-env`")
+def vllm_environment(vllm_python: Path) -> None:
+    """Every test here starts the stage's vLLM engine (the engine tier; conftest fails them without the venv)."""
 
 
 def complete_text(text: str | None) -> str | None:

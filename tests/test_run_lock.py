@@ -81,7 +81,7 @@ def ingest_config(tmp_path: Path) -> tuple[Path, Path]:
     return path, out
 
 
-def test_a_live_holder_refuses_a_second_run_naming_pid_host_and_start(tmp_path: Path) -> None:
+def test_a_live_holder_refuses_a_second_run_naming_pid_host_and_start(tmp_path: Path, subprocesses: None) -> None:
     out = tmp_path / "out"
     with holder_process(out) as holder:
         record = lock_record(out)
@@ -101,7 +101,7 @@ def eaglet(*arguments: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_eaglet_stage_and_run_refuse_while_another_process_holds_the_output_dir(tmp_path: Path) -> None:
+def test_eaglet_stage_and_run_refuse_while_another_process_holds_the_output_dir(tmp_path: Path, subprocesses: None) -> None:
     config, out = ingest_config(tmp_path)
     with holder_process(out) as holder:
         refused = {"stage ingest": eaglet("stage", "ingest", "--config", str(config)),
@@ -120,7 +120,8 @@ def test_eaglet_stage_and_run_refuse_while_another_process_holds_the_output_dir(
     assert not (out / LOCK_NAME).exists(), "the stage released the lock when it finished"
 
 
-def test_a_killed_runs_lock_on_this_host_is_taken_over(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_killed_runs_lock_on_this_host_is_taken_over(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                      subprocesses: None) -> None:
     out = tmp_path / "out"
     gone = dead_pid()
     write_lock(out, gone, socket.gethostname())
@@ -131,7 +132,7 @@ def test_a_killed_runs_lock_on_this_host_is_taken_over(tmp_path: Path, capsys: p
     assert not (out / LOCK_NAME).exists()
 
 
-def test_a_lock_from_another_host_or_unreadable_refuses_and_stays(tmp_path: Path) -> None:
+def test_a_lock_from_another_host_or_unreadable_refuses_and_stays(tmp_path: Path, subprocesses: None) -> None:
     out = tmp_path / "out"
     foreign = write_lock(out, dead_pid(), "gpu-node-7")
     with pytest.raises(RunLocked, match="gpu-node-7.*another host"):
@@ -155,7 +156,7 @@ def test_nested_locks_in_one_process_release_at_the_outermost_exit(tmp_path: Pat
     assert not (out / LOCK_NAME).exists()
 
 
-def test_a_lock_that_no_longer_names_this_process_is_not_removed(tmp_path: Path) -> None:
+def test_a_lock_that_no_longer_names_this_process_is_not_removed(tmp_path: Path, subprocesses: None) -> None:
     out = tmp_path / "out"
     with output_dir_lock(out, "the first run"):
         replaced = write_lock(out, dead_pid(), "gpu-node-7")

@@ -17,7 +17,8 @@ from models.draft_tree import DraftCache, DraftTree, ancestor_mask, build_tree, 
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.speculative import SpeculativeDecoder, TargetState, prefill, target_generate
 from models.target_capture import capture_states
-from models.ttt import TTTBatch, causal_plus_diagonal_attention, teacher_from_hidden, ttt_forward
+from models.teacher import teacher_from_hidden
+from models.ttt import TTTBatch, causal_plus_diagonal_attention, ttt_forward
 from models.vocab_mapping import build_vocab_mapping, count_tokens
 from target_bugs import BUGS, cached_greedy_decode
 from training_run import peaked_target

@@ -57,9 +57,10 @@ def test_training_improves_acceptance_and_exports_the_draft(base_run, tmp_path: 
 
 
 def test_halt_and_resume_is_bit_identical_to_a_straight_run(base_run, tmp_path: Path) -> None:
-    straight = fresh(base_run, tmp_path, "straight")
+    """With noise on the hidden states too: its generator's state is part of the checkpoint."""
+    straight = fresh(base_run, tmp_path, "straight", hidden_noise_std=0.05)
     train.run(straight)
-    halted = fresh(base_run, tmp_path, "halted", halt_after=9)
+    halted = fresh(base_run, tmp_path, "halted", halt_after=9, hidden_noise_std=0.05)
     first = train.run(halted)
     assert not first.values["complete"] and first.values["steps"] == 9
     resumed = train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "auto"})}))

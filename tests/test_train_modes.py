@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.teacher import Teacher
 from models.ttt import causal_plus_diagonal_attention, check_attention_backend
 from tasks import train
 from tasks.features.batches import collate
+from tasks.common.host_compute import host_compute
 from tasks.features.shards import FeatureSet
 from tasks.serving.engine import free_port
 from tasks.training.checkpoint import ResumeRefused, latest_checkpoint
@@ -74,13 +76,14 @@ def test_accumulated_micro_batches_give_the_gradient_of_their_union(base_run) ->
     heads = train.load_target_heads(base_run.output_path / "target")
     draft = train.build_draft(base_run, heads, features.manifest, torch.device("cpu"))
     step = train.TTTStep(draft, base_run.training.ttt_length)
+    teacher = Teacher(heads.lm_head, draft.t2d)
     records = features.records([0, 1, 2])
     normaliser = sum(len(record["input_ids"]) for record in records)
 
     def gradients(batches: list[list[dict]]) -> dict[str, torch.Tensor]:
         draft.zero_grad(set_to_none=True)
         for batch in batches:
-            loss, _ = step(collate(batch, heads.lm_head, draft.t2d), normaliser)
+            loss, _ = step(collate(batch, teacher), normaliser)
             loss.backward()
         return {name: parameter.grad.clone() for name, parameter in draft.named_parameters() if parameter.grad is not None}
 
@@ -115,10 +118,20 @@ def test_bf16_autocast_keeps_fp32_master_weights(base_run, tmp_path: Path) -> No
     assert {value.dtype for name, value in load_file(str(checkpoint / "draft.safetensors")).items()
             if value.is_floating_point()} == {torch.float32}
     saved = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert saved["math"]["training.precision"] == "bfloat16"
-    fp32 = fresh(base_run, tmp_path, "fp32-resume", resume_from=str(checkpoint))
+    assert saved["math"]["training.precision"] == "bfloat16" and result.values["precision"] == "bfloat16"
+    contract = json.loads((cfg.output_path / "draft" / "vllm" / "contract.json").read_text())
+    assert contract["training"]["dtype"] == "bfloat16"
+    assert contract["training"]["host"] == result.values["host"] == host_compute().as_record()
+    fp32 = fresh(base_run, tmp_path, "fp32-resume", resume_from=str(checkpoint), precision="fp32")
     with pytest.raises(ResumeRefused, match="training.precision: checkpoint 'bfloat16', run 'float32'"):
         train.run(fp32)
+
+
+def test_auto_precision_trains_in_bf16_exactly_where_the_cpu_has_bf16_units(base_run, tmp_path: Path) -> None:
+    cfg = fresh(base_run, tmp_path, "auto", precision="auto", max_steps=2)
+    result = train.run(cfg)
+    expected = "bfloat16" if host_compute().native_bf16_matmul else "float32"
+    assert result.values["precision"] == expected, host_compute().describe()
 
 
 def flash_attn_runs_here() -> bool:
@@ -186,7 +199,8 @@ def test_fsdp_two_ranks_match_one_rank_and_resume_exactly(base_run, tmp_path: Pa
     assert all(torch.equal(exported(sharded)[name], exported(halted)[name]) for name in exported(sharded))
 
 
-def test_two_nodes_on_one_host_match_one_rank(base_run, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+def test_two_nodes_on_one_host_match_one_rank(base_run, tmp_path: Path, capfd: pytest.CaptureFixture,
+                                             subprocesses: None) -> None:
     """Two torchrun launchers on 127.0.0.1, one rank each, joined by a c10d rendezvous: eaglet starts node 0 and
     prints node 1's command, which the test runs as the other node would."""
     one = fresh(base_run, tmp_path, "one")

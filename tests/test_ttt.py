@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from models.eagle3 import Eagle3Config, Eagle3Draft
+from models.teacher import Teacher, teacher_from_hidden
 from models.ttt import (TTTBatch, TTTOutput, causal_plus_diagonal_attention, record_step_metrics, renormalised,
-                        teacher_from_hidden, ttt_forward)
+                        ttt_forward)
 from tasks.common.devices import autocast
 from attention_reference import assert_within_bf16, dense_causal_plus_diagonal
 
@@ -258,9 +259,10 @@ def test_eval_metrics_pool_every_supervised_position_of_every_record() -> None:
                         "loss_mask": (torch.arange(length) >= supervised_from).long(),
                         "aux_hidden_state": torch.randn(length, 3 * TINY.target_hidden_size, generator=generator),
                         "hidden_state": torch.randn(length, TINY.target_hidden_size, generator=generator)})
-    metrics = evaluate_features(draft, records, lm_head, steps=2)
+    teacher = Teacher(lm_head, draft.t2d)
+    metrics = evaluate_features(draft, records, teacher, steps=2)
     with torch.no_grad():
-        pooled = ttt_forward(draft, collate(records, lm_head, draft.t2d), 2)
+        pooled = ttt_forward(draft, collate(records, teacher), 2)
     for step in range(2):
         assert metrics[f"acc_{step}"] == pytest.approx(pooled.acc[step])
         assert metrics[f"expected_accept_{step}"] == pytest.approx(pooled.expected_accept[step], rel=1e-5)

@@ -115,13 +115,14 @@ def self_distilled_run(cfg: RunConfig) -> RunConfig:
 
 def captured_run(directory: Path, tiny_target_dir: Path, **training: Any) -> RunConfig:
     """target + train/eval jsonl (the target's answers; eval = the held-out questions) + capture under
-    `directory`; returns the run config."""
+    `directory`; returns the run config. It trains in fp32, the reference every host computes alike (the tests
+    of `auto` and bf16 set their own precision)."""
     model_dir = whole_word_target(tiny_target_dir, directory.parent / "word-target")
     cfg = RunConfig.model_validate({
         "output_dir": str(directory), "model": {"source": "local", "path": str(model_dir)},
         "capture": {"aux_layer_ids": [1, 2, 3], "dtype": "float32", "draft_vocab_size": 128, "records_per_shard": 2},
         "training": {"ttt_length": 3, "learning_rate": 3e-3, "tokens_per_step": 64, "epochs": 4, "warmup_ratio": 0.1,
-                     "save_interval": 4, "eval_interval": 4, **training},
+                     "save_interval": 4, "eval_interval": 4, "precision": "fp32", **training},
         "tracking": {"enabled": False},
     })
     target.run(cfg)

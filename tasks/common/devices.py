@@ -7,6 +7,8 @@ from typing import Any, ContextManager
 
 import torch
 
+from tasks.common.host_compute import host_compute
+
 
 def resolve_device(setting: str) -> torch.device:
     """`auto` takes the GPU when one is visible; `cuda` without one is a configuration error."""
@@ -18,8 +20,11 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on GPU; fp32 on CPU (bf16 matmuls are far slower than fp32 on AVX2 CPUs)."""
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+    """`auto`: bf16 autocast on GPU and on CPUs with bf16 matrix units (AMX, AVX512-BF16: several times fp32's
+    rate); fp32 on other CPUs, where bf16 matmuls are emulated and slower than fp32 (tasks/common/host_compute.py)."""
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "auto" and (device.type == "cuda" or host_compute().native_bf16_matmul):
         return torch.bfloat16
     return torch.float32
 

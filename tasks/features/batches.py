@@ -10,46 +10,47 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from models.ttt import TTTBatch, teacher_from_hidden
+from models.teacher import Teacher
+from models.ttt import TTTBatch
 from tasks.features.shards import dense_teacher, dequantise_aux
 
 
-def record_teacher(record: Mapping[str, Any], lm_head_weight: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def record_teacher(record: Mapping[str, Any], teacher: Teacher) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(target probs of the draft tokens, full-vocab top-1, top-1 in draft vocab) of one record. Lossless
     records give the full-vocab probabilities (their sum is the draft vocab's share of the target's mass);
     compact records stored their top-K renormalised over the draft vocab, so theirs sum to 1 and their
     expected acceptance reads as if the target kept no mass outside the draft vocab."""
     if "hidden_state" in record:
-        return teacher_from_hidden(record["hidden_state"].to(lm_head_weight.device), lm_head_weight, t2d)
-    draft_vocab_size = int(t2d.sum())
-    probs = dense_teacher(record["teacher_topk_ids"], record["teacher_topk_logprobs"], draft_vocab_size)
-    top1 = record["target_top1"].long().to(t2d.device)
-    return probs, top1, t2d[top1]
+        return teacher(record["hidden_state"])
+    probs = dense_teacher(record["teacher_topk_ids"], record["teacher_topk_logprobs"], teacher.draft_vocab_size)
+    top1 = record["target_top1"].long().to(teacher.device)
+    return probs, top1, teacher.t2d[top1]
 
 
-def collate(records: Sequence[Mapping[str, Any]], lm_head_weight: torch.Tensor, t2d: torch.Tensor,
-            pad_token_id: int = 0) -> TTTBatch:
-    """Right-pad records to the longest; padding is never supervised. The batch lives where the lm_head is
-    (the teacher is computed there)."""
+def collate(records: Sequence[Mapping[str, Any]], teacher: Teacher, pad_token_id: int = 0) -> TTTBatch:
+    """Right-pad records to the longest; padding is never supervised. The batch lives where the teacher's lm_head
+    is (the teacher is computed there); its aux states are in the teacher's compute dtype, the one the draft's fc
+    reads them in under autocast (bf16 features are then never widened to fp32 and cast back)."""
     length = max(len(record["input_ids"]) for record in records)
     size = len(records)
     width = record_width(records[0])
-    draft_vocab_size = int(t2d.sum())
-    device = lm_head_weight.device
+    draft_vocab_size = teacher.draft_vocab_size
+    device = teacher.device
     batch = TTTBatch(
         input_ids=torch.full((size, length), pad_token_id, dtype=torch.long, device=device),
         loss_mask=torch.zeros(size, length, dtype=torch.long, device=device),
-        aux_hidden_state=torch.zeros(size, length, width, device=device),
+        aux_hidden_state=torch.zeros(size, length, width, dtype=teacher.dtype, device=device),
         target_probs=torch.zeros(size, length, draft_vocab_size, device=device),
         target_top1=torch.zeros(size, length, dtype=torch.long, device=device),
         target_top1_in_draft=torch.zeros(size, length, dtype=torch.bool, device=device),
     )
     for row, record in enumerate(records):
         count = len(record["input_ids"])
-        probs, top1, in_draft = record_teacher(record, lm_head_weight, t2d)
+        probs, top1, in_draft = record_teacher(record, teacher)
         batch.input_ids[row, :count] = record["input_ids"].long()
         batch.loss_mask[row, :count] = record["loss_mask"].long()
-        batch.aux_hidden_state[row, :count] = dequantise_aux(record["aux_hidden_state"], record.get("aux_scale"))
+        batch.aux_hidden_state[row, :count] = dequantise_aux(record["aux_hidden_state"], record.get("aux_scale"),
+                                                             teacher.dtype)
         batch.target_probs[row, :count] = probs
         batch.target_top1[row, :count] = top1
         batch.target_top1_in_draft[row, :count] = in_draft

@@ -14,6 +14,7 @@ from contract.config_loading import config_as_yaml
 from contract.secrets import redacted_dump
 from models.eagle3 import Eagle3Draft
 from tasks.common.artifacts import read_json, save_figure
+from tasks.common.host_compute import host_compute
 from tasks.training.rank_environment import PARENT_RUN_VARIABLE
 
 
@@ -36,7 +37,8 @@ def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: 
         eos_token_id=info["eos_token_id"], pad_token_id=info["pad_token_id"],
         training={"mode": cfg.training.mode, "ttt_length": cfg.training.ttt_length, "dtype": compute_dtype,
                   "master_weights": "float32", "steps": steps, "world_size": world_size,
-                  "parallelism": cfg.deployment.trainer.strategy, "grad_accumulation": cfg.training.grad_accumulation},
+                  "parallelism": cfg.deployment.trainer.strategy, "grad_accumulation": cfg.training.grad_accumulation,
+                  "host": host_compute().as_record()},
         versions={"torch": torch.__version__}, evaluation=eval_metrics,
         data={"features_fingerprint": manifest.get("fingerprint"), "regeneration": redacted_dump(cfg)["regeneration"]},
     )

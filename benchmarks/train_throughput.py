@@ -1,0 +1,105 @@
+"""Train-stage tokens/s per precision on a finished run's features: the fp32 reference against the candidate.
+
+    .venv/bin/python benchmarks/train_throughput.py [--config params.yaml] [--rounds 3] [--max-steps 40] \
+        [--variant fp32:training.precision=fp32 --variant auto:training.precision=auto ...]
+
+Reads a finished run (`make run`, or `eaglet run` up to capture): its target, vocabulary mapping and feature
+shards. Each round trains every variant once, in turn (so a shared machine's load falls on all of them alike),
+through the train stage's own `run(cfg)` on a fresh sub-run under `<output_dir>/train-throughput/` with
+`--max-steps` optimizer steps. Per variant it reports the stage's step rate (tokens/s over the optimizer steps,
+the stage's `tokens_per_second`) and the whole stage's rate (tokens trained over the wall time of `run`, which
+adds the evaluations, checkpoints and export), as medians over rounds with their spread, and each variant's
+ratio to the first one per round. The host's CPU flags are printed beside the figures; the table is written
+to `<output_dir>/train-throughput/train_throughput.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from recipe_sweep import parse_recipe
+from subruns import link_run_features, link_run_inputs, subrun_config
+from tasks import train
+from tasks.common.artifacts import write_json
+from tasks.common.host_compute import host_compute
+
+DEFAULT_VARIANTS = ("fp32:training.precision=fp32", "auto:training.precision=auto")
+
+
+def train_once(config: Path, overrides: list[str], directory: Path, run_id: str) -> dict[str, float]:
+    """One fresh train stage on the run's features; its step rate and whole-stage rate."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    run_dir = Path(load_output_dir(config))
+    link_run_inputs(run_dir, directory)
+    link_run_features(run_dir, directory)
+    cfg = subrun_config(config, overrides, directory, run_id)
+    started = time.perf_counter()
+    summary = train.run(cfg).values
+    seconds = time.perf_counter() - started
+    steps = json_lines(directory / "train" / "steps.jsonl")
+    tokens = sum(step["tokens"] for step in steps)
+    shutil.rmtree(directory / "checkpoints", ignore_errors=True)  # the weights are not what is measured
+    return {"step_tokens_per_second": summary["tokens_per_second"], "stage_tokens_per_second": tokens / seconds,
+            "stage_seconds": seconds, "steps": summary["steps"], "precision": summary["precision"]}
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def load_output_dir(config: Path) -> str:
+    from contract.config_loading import load_config
+
+    return str(load_config(config).output_path)
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):8.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("params.yaml"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--variant", action="append", default=None,
+                        help="NAME:section.field=value[,...]; the first is the baseline (default: fp32, auto)")
+    args = parser.parse_args()
+    variants = [parse_recipe(text) for text in (args.variant or DEFAULT_VARIANTS)]
+    root = Path(load_output_dir(args.config)) / "train-throughput"
+    common = [f"training.max_steps={args.max_steps}", "training.resume_from=none",
+              f"training.eval_interval={args.max_steps}", f"training.save_interval={args.max_steps}"]
+    print(f"host: {host_compute().describe()}", flush=True)
+    results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in variants}
+    for round_index in range(args.rounds):
+        for name, overrides in variants:
+            point = train_once(args.config, [*common, *overrides], root / name, f"throughput-{name}")
+            results[name].append(point)
+            print(f"round {round_index + 1} {name:>10} ({point['precision']}): step {point['step_tokens_per_second']:.0f} "
+                  f"tok/s, stage {point['stage_tokens_per_second']:.0f} tok/s ({point['stage_seconds']:.1f} s)", flush=True)
+    baseline = variants[0][0]
+    print(f"\n{'variant':>10} {'step tok/s (median [min-max])':>32} {'stage tok/s':>26} {'step ratio':>22} "
+          f"{'stage ratio':>22}")
+    table = {}
+    for name, _ in variants:
+        step_ratio = [point["step_tokens_per_second"] / base["step_tokens_per_second"]
+                      for point, base in zip(results[name], results[baseline])]
+        stage_ratio = [point["stage_tokens_per_second"] / base["stage_tokens_per_second"]
+                       for point, base in zip(results[name], results[baseline])]
+        print(f"{name:>10} {spread([p['step_tokens_per_second'] for p in results[name]]):>32} "
+              f"{spread([p['stage_tokens_per_second'] for p in results[name]]):>26} "
+              f"{spread(step_ratio):>22} {spread(stage_ratio):>22}")
+        table[name] = {"rounds": results[name], "step_ratio": step_ratio, "stage_ratio": stage_ratio}
+    write_json(root / "train_throughput.json", {"host": host_compute().as_record(), "max_steps": args.max_steps,
+                                                "baseline": baseline, "variants": table})
+
+
+if __name__ == "__main__":
+    main()

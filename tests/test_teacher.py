@@ -1,0 +1,86 @@
+"""The teacher (models/teacher.py): chunked and in the compute dtype, it equals the full-vocabulary fp32 softmax
+it replaces (exactly in fp32; within bf16's rounding in bf16, with the same top-1)."""
+
+from __future__ import annotations
+
+import torch
+
+from models.teacher import TOP1_CANDIDATES, Teacher
+from models.ttt import renormalised
+
+VOCAB, HIDDEN, DRAFT_VOCAB = 4096, 64, 1024
+
+
+def draft_vocab(generator: torch.Generator) -> torch.Tensor:
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[torch.randperm(VOCAB, generator=generator)[:DRAFT_VOCAB]] = True
+    return t2d
+
+
+def lm_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """States and an lm_head giving logits of a real model's scale (std ~4, row maxima ~15)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 37, HIDDEN, generator=generator) * 4
+    lm_head = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.125
+    return hidden, lm_head, draft_vocab(generator)
+
+
+def reference(hidden: torch.Tensor, lm_head: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher as first written: the whole fp32 softmax, then the draft tokens' columns."""
+    logits = hidden @ lm_head.T
+    return torch.softmax(logits, dim=-1)[..., t2d], logits.argmax(dim=-1)
+
+
+def kl_per_position(expected: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
+    """KL(expected || actual) of the distributions the loss teaches (renormalised over the draft vocab)."""
+    p, q = renormalised(expected), renormalised(actual)
+    return (p * (p.clamp_min(1e-30).log() - q.clamp_min(1e-30).log())).sum(-1)
+
+
+def test_the_fp32_teacher_in_chunks_is_the_full_softmax() -> None:
+    hidden, lm_head, t2d = lm_inputs(0)
+    probs, top1, in_draft = Teacher(lm_head, t2d, rows_per_chunk=10)(hidden)   # 74 rows: 8 chunks, the last short
+    expected_probs, expected_top1 = reference(hidden, lm_head, t2d)
+    assert probs.shape == (2, 37, DRAFT_VOCAB) and probs.dtype == torch.float32
+    torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-7)
+    assert torch.equal(top1, expected_top1) and torch.equal(in_draft, t2d[expected_top1])
+    assert bool((probs.sum(-1) < 1).all()), "the mass outside the draft vocab is kept out, not renormalised in"
+
+
+def test_the_bf16_teacher_keeps_the_top1_and_is_within_bf16_rounding() -> None:
+    hidden, lm_head, t2d = lm_inputs(1)
+    probs, top1, in_draft = Teacher(lm_head, t2d, torch.bfloat16, rows_per_chunk=16)(hidden)
+    expected_probs, expected_top1 = reference(hidden, lm_head, t2d)
+    assert probs.dtype == torch.float32, "the log-sum-exp and the probabilities are fp32"
+    assert torch.equal(top1, expected_top1) and torch.equal(in_draft, t2d[expected_top1])
+    divergence = kl_per_position(expected_probs, probs)
+    assert float(divergence.max()) < 2e-3, f"KL to the fp32 teacher up to {float(divergence.max()):.2e} nats"
+    torch.testing.assert_close(probs.sum(-1), expected_probs.sum(-1), rtol=0.05, atol=1e-4)
+
+
+def test_a_near_tie_that_bf16_reorders_is_settled_in_fp32() -> None:
+    """Two vocabulary rows whose fp32 logits differ by less than bf16 can tell apart: the top-1 is the fp32 one."""
+    generator = torch.Generator().manual_seed(3)
+    noise = torch.randn(64, HIDDEN, generator=generator) * 0.1
+    lm_head = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.01
+    winner = torch.randn(HIDDEN, generator=generator)
+    lm_head[7] = winner                                       # a strong row ...
+    lm_head[9] = winner * (1 + 2 ** -12)                      # ... and one just above it (in fp32 only)
+    hidden = winner * 0.5 + noise                             # both lead by far on every row (logits ~30)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[:DRAFT_VOCAB] = True
+    _, expected_top1 = reference(hidden, lm_head, t2d)
+    assert bool((expected_top1 == 9).all())
+    rounded = (hidden.bfloat16() @ lm_head.bfloat16().T).argmax(-1)
+    assert not bool((rounded == 9).all()), "bf16 alone must lose some of these ties, or the test proves nothing"
+    _, top1, _ = Teacher(lm_head, t2d, torch.bfloat16)(hidden)
+    assert torch.equal(top1, expected_top1), f"rescoring the best {TOP1_CANDIDATES} bf16 logits in fp32 keeps it"
+
+
+def test_the_teacher_ignores_an_enclosing_autocast() -> None:
+    """The trainer calls it inside its autocast region (evaluation); its dtype is its own."""
+    hidden, lm_head, t2d = lm_inputs(4)
+    outside = Teacher(lm_head, t2d)(hidden)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = Teacher(lm_head, t2d)(hidden)
+    torch.testing.assert_close(inside[0], outside[0], rtol=0, atol=0)
