@@ -26,7 +26,7 @@ from typing import Any
 from recipe_sweep import parse_recipe
 from subruns import link_run_features, link_run_inputs, subrun_config
 from tasks import train
-from tasks.common.artifacts import write_json
+from tasks.common.artifacts import link_or_copy, write_json
 from tasks.common.host_compute import host_compute
 
 DEFAULT_VARIANTS = ("fp32:training.precision=fp32", "auto:training.precision=auto")
@@ -39,6 +39,7 @@ def train_once(config: Path, overrides: list[str], directory: Path, run_id: str)
     run_dir = Path(load_output_dir(config))
     link_run_inputs(run_dir, directory)
     link_run_features(run_dir, directory)
+    link_or_copy(run_dir / "features" / "manifest.json", directory / "features" / "manifest.json")
     cfg = subrun_config(config, overrides, directory, run_id)
     started = time.perf_counter()
     summary = train.run(cfg).values

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from models.eagle3 import Eagle3Draft
+from models.shape_buckets import pad_rows, shape_bucket
 
 
 @dataclass
@@ -265,13 +266,20 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         chosen = step_supervised > 0
         rows = teacher_row_index(chosen, step)
         step_probs = teacher_rows.index_select(0, rows)
-        logits = draft.logits(hidden[chosen])
+        logits = supervised_logits(draft, hidden, chosen)
         ploss, log_probs = step_loss(logits, step_probs, teacher_mass[rows], shift_left(mask, step)[chosen],
                                      normaliser=normaliser or mask.numel())
         output.loss = output.loss + decay ** step * ploss
         output.ploss.append(ploss)
         record_step_metrics(output, draft, log_probs, step_probs if expected_acceptance else None, teacher_top1[rows])
     return output
+
+
+def supervised_logits(draft: Eagle3Draft, hidden: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The draft's logits at the chosen positions, computed over their rows padded to a shape bucket (their count
+    changes every step; models/shape_buckets.py) and cut back to them."""
+    rows = hidden[chosen]
+    return draft.logits(pad_rows(rows, shape_bucket(rows.dtype)))[:rows.shape[0]]
 
 
 def teacher_row_index(chosen: torch.Tensor, step: int) -> torch.Tensor:

@@ -205,7 +205,8 @@ class Loop:
     train_set: Any                   # FeatureSet (offline) or OnlineFeatures (online)
     eval_set: Any
     heads: TargetHeads
-    teacher: Teacher                 # the target's distribution over the draft vocab, in the compute dtype
+    teacher: Teacher                 # the target's distribution over the draft vocab, in the compute dtype (what
+                                     # the loss teaches: renormalised over the draft vocab)
     manifest: dict[str, Any]
     dtype: torch.dtype
     lengths: list[int]
@@ -262,7 +263,7 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
         scheduler.load_state_dict(state.scheduler)
     kept_steps = cut_step_log(cfg.output_path, state.step) if env.is_main and state.step else []
     env.barrier()
-    teacher = Teacher(heads.lm_head, draft.t2d, dtype)
+    teacher = Teacher(heads.lm_head, draft.t2d, dtype, outside_mass=False)  # training steps; evaluate() adds the mass
     loop = Loop(cfg, env, draft, full_draft, module, optimizer, scheduler, train_set, eval_set, heads, teacher, manifest,
                 dtype, lengths, record_ids, total_steps, math_now, state)
     with training_tracker(cfg, env) as tracker:
@@ -486,7 +487,7 @@ def evaluate(loop: Loop) -> dict[str, float]:
     draft = gathered_draft(loop)
     if not loop.env.is_main:
         return {}
-    return evaluate_features(draft, loop.eval_set, loop.teacher, loop.cfg.training.ttt_length,
+    return evaluate_features(draft, loop.eval_set, loop.teacher.with_outside_mass(True), loop.cfg.training.ttt_length,
                              loop.cfg.training.attention_backend)
 
 

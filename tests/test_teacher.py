@@ -3,6 +3,7 @@ it replaces (exactly in fp32; within bf16's rounding in bf16, with the same top-
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from models.teacher import TOP1_CANDIDATES, Teacher
@@ -75,6 +76,19 @@ def test_a_near_tie_that_bf16_reorders_is_settled_in_fp32() -> None:
     assert not bool((rounded == 9).all()), "bf16 alone must lose some of these ties, or the test proves nothing"
     _, top1, _ = Teacher(lm_head, t2d, torch.bfloat16)(hidden)
     assert torch.equal(top1, expected_top1), f"rescoring the best {TOP1_CANDIDATES} bf16 logits in fp32 keeps it"
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-3)])
+def test_without_the_outside_mass_it_is_what_the_loss_teaches(dtype: torch.dtype, tolerance: float) -> None:
+    """A training step's teacher: the draft-vocab softmax, equal to the full teacher renormalised (same top-1)."""
+    hidden, lm_head, t2d = lm_inputs(5)
+    full = Teacher(lm_head, t2d, dtype)
+    probs, top1, in_draft = full.with_outside_mass(False)(hidden)
+    expected_probs, expected_top1 = reference(hidden, lm_head, t2d)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 37), rtol=0, atol=1e-5)
+    assert float(kl_per_position(expected_probs, probs).max()) < tolerance
+    assert torch.equal(top1, expected_top1) and torch.equal(in_draft, t2d[expected_top1])
+    assert full.outside_mass and not full.with_outside_mass(False).outside_mass, "a copy: the original keeps its mode"
 
 
 def test_the_teacher_ignores_an_enclosing_autocast() -> None:

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from models.shape_buckets import bucketed, shape_bucket
 from models.teacher import Teacher
 from models.ttt import TTTBatch
 from tasks.features.shards import dense_teacher, dequantise_aux
@@ -28,10 +29,11 @@ def record_teacher(record: Mapping[str, Any], teacher: Teacher) -> tuple[torch.T
 
 
 def collate(records: Sequence[Mapping[str, Any]], teacher: Teacher, pad_token_id: int = 0) -> TTTBatch:
-    """Right-pad records to the longest; padding is never supervised. The batch lives where the teacher's lm_head
+    """Right-pad records to the longest, rounded up to a shape bucket (models/shape_buckets.py: a batch of a length
+    seen before reuses its bf16 kernels); padding is never supervised. The batch lives where the teacher's lm_head
     is (the teacher is computed there); its aux states are in the teacher's compute dtype, the one the draft's fc
     reads them in under autocast (bf16 features are then never widened to fp32 and cast back)."""
-    length = max(len(record["input_ids"]) for record in records)
+    length = bucketed(max(len(record["input_ids"]) for record in records), shape_bucket(teacher.dtype))
     size = len(records)
     width = record_width(records[0])
     draft_vocab_size = teacher.draft_vocab_size
