@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from recipe_sweep import parse_recipe
+from rounds import median_and_range
+from contract.config_loading import load_config
 from subruns import link_run_features, link_run_inputs, subrun_config
 from tasks import train
 from tasks.common.artifacts import link_or_copy, write_json
@@ -36,7 +37,7 @@ def train_once(config: Path, overrides: list[str], directory: Path, run_id: str)
     """One fresh train stage on the run's features; its step rate and whole-stage rate."""
     if directory.exists():
         shutil.rmtree(directory)
-    run_dir = Path(load_output_dir(config))
+    run_dir = load_config(config).output_path
     link_run_inputs(run_dir, directory)
     link_run_features(run_dir, directory)
     link_or_copy(run_dir / "features" / "manifest.json", directory / "features" / "manifest.json")
@@ -55,16 +56,6 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def load_output_dir(config: Path) -> str:
-    from contract.config_loading import load_config
-
-    return str(load_config(config).output_path)
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):8.1f} [{min(values):.1f}-{max(values):.1f}]"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=Path("params.yaml"))
@@ -74,7 +65,7 @@ def main() -> None:
                         help="NAME:section.field=value[,...]; the first is the baseline (default: fp32, auto)")
     args = parser.parse_args()
     variants = [parse_recipe(text) for text in (args.variant or DEFAULT_VARIANTS)]
-    root = Path(load_output_dir(args.config)) / "train-throughput"
+    root = load_config(args.config).output_path / "train-throughput"
     common = [f"training.max_steps={args.max_steps}", "training.resume_from=none",
               f"training.eval_interval={args.max_steps}", f"training.save_interval={args.max_steps}"]
     print(f"host: {host_compute().describe()}", flush=True)
@@ -94,9 +85,9 @@ def main() -> None:
                       for point, base in zip(results[name], results[baseline])]
         stage_ratio = [point["stage_tokens_per_second"] / base["stage_tokens_per_second"]
                        for point, base in zip(results[name], results[baseline])]
-        print(f"{name:>10} {spread([p['step_tokens_per_second'] for p in results[name]]):>32} "
-              f"{spread([p['stage_tokens_per_second'] for p in results[name]]):>26} "
-              f"{spread(step_ratio):>22} {spread(stage_ratio):>22}")
+        print(f"{name:>10} {median_and_range([p['step_tokens_per_second'] for p in results[name]]):>32} "
+              f"{median_and_range([p['stage_tokens_per_second'] for p in results[name]]):>26} "
+              f"{median_and_range(step_ratio):>22} {median_and_range(stage_ratio):>22}")
         table[name] = {"rounds": results[name], "step_ratio": step_ratio, "stage_ratio": stage_ratio}
     write_json(root / "train_throughput.json", {"host": host_compute().as_record(), "max_steps": args.max_steps,
                                                 "baseline": baseline, "variants": table})

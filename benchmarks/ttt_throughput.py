@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 import models.ttt as ttt
+from rounds import median_and_range
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.teacher import Teacher
 from models.ttt import TTTBatch, ttt_forward
@@ -82,10 +83,6 @@ def step_seconds(draft: Eagle3Draft, teacher: Teacher, length: int, steps: int, 
     return timings[-1]
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024])
@@ -117,7 +114,7 @@ def main() -> None:
             for variant in variants:
                 ratios = [rate / base for rate, base in zip(rates[variant.name], baseline)]
                 print(f"Vd={vocab:>5} T={length:>5} {variant.name:>22}: {statistics.median(rates[variant.name]):7.1f} "
-                      f"tok/s, x{spread(ratios)} the dense fp32 baseline")
+                      f"tok/s, x{median_and_range(ratios, 2)} the dense fp32 baseline")
 
 
 if __name__ == "__main__":

@@ -116,3 +116,11 @@ def test_the_matmul_peak_is_a_positive_rate() -> None:
     import torch
 
     assert measure_matmul_peak(torch.float32, m=16, k=8, n=32, seconds=0.05) > 0
+
+
+def test_a_routed_expert_target_counts_the_experts_a_token_passes_through() -> None:
+    """Qwen3-MoE: 2 experts per token of width 6 are an MLP of width 12, not the config's dense intermediate_size."""
+    moe = {**TINY_LLAMA, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "intermediate_size": 99,
+           "moe_intermediate_size": 6, "num_experts_per_tok": 2, "num_experts": 8}
+    assert TargetShape.from_config(moe).intermediate_size == 12
+    assert TargetShape.from_config(TINY_LLAMA).intermediate_size == 16

@@ -17,11 +17,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from contract.config import RunConfig
+from models.target_families import family_of
 from tasks.common.artifacts import read_json, save_figure, write_json
 from tasks.common.host_compute import host_compute
 
@@ -54,10 +56,13 @@ class TargetShape:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "TargetShape":
-        """From an HF config.json (a multimodal one's `text_config`); head_dim defaults to hidden / heads."""
+        """From an HF config.json (a multimodal one's `text_config`); head_dim defaults to hidden / heads. The MLP
+        width is what one token passes through, as the family table says (a routed-expert target: its active
+        experts), which is also the draft's MLP width."""
         text = config.get("text_config") or config
         heads = text["num_attention_heads"]
-        return cls(hidden_size=text["hidden_size"], intermediate_size=text["intermediate_size"],
+        mlp_width = family_of(config.get("model_type")).draft_intermediate_size(SimpleNamespace(**text))
+        return cls(hidden_size=text["hidden_size"], intermediate_size=mlp_width,
                    num_hidden_layers=text["num_hidden_layers"], num_attention_heads=heads,
                    num_key_value_heads=text.get("num_key_value_heads") or heads,
                    head_dim=text.get("head_dim") or text["hidden_size"] // heads, vocab_size=text["vocab_size"])

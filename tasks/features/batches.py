@@ -16,13 +16,29 @@ from models.ttt import TTTBatch
 from tasks.features.shards import dense_teacher, dequantise_aux
 
 
-def record_teacher(record: Mapping[str, Any], teacher: Teacher) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(target probs of the draft tokens, full-vocab top-1, top-1 in draft vocab) of one record. Lossless
-    records give the full-vocab probabilities (their sum is the draft vocab's share of the target's mass);
-    compact records stored their top-K renormalised over the draft vocab, so theirs sum to 1 and their
-    expected acceptance reads as if the target kept no mass outside the draft vocab."""
-    if "hidden_state" in record:
-        return teacher(record["hidden_state"])
+Teaching = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def record_teachers(records: Sequence[Mapping[str, Any]], teacher: Teacher) -> list[Teaching]:
+    """(target probs of the draft tokens, full-vocab top-1, top-1 in draft vocab) of each record. Lossless records'
+    final states go through the teacher in one call (full chunks of rows, one padding to a shape bucket) and give
+    what the teacher gives; compact records stored their top-K renormalised over the draft vocab, so theirs sum to 1
+    and their expected acceptance reads as if the target kept no mass outside the draft vocab."""
+    lossless = [index for index, record in enumerate(records) if "hidden_state" in record]
+    teachings: dict[int, Teaching] = {}
+    if lossless:
+        counts = [len(records[index]["hidden_state"]) for index in lossless]
+        probs, top1, in_draft = teacher(torch.cat([records[index]["hidden_state"] for index in lossless]))
+        for index, *parts in zip(lossless, probs.split(counts), top1.split(counts), in_draft.split(counts)):
+            teachings[index] = tuple(parts)
+    for index, record in enumerate(records):
+        if index not in teachings:
+            teachings[index] = compact_teacher(record, teacher)
+    return [teachings[index] for index in range(len(records))]
+
+
+def compact_teacher(record: Mapping[str, Any], teacher: Teacher) -> Teaching:
+    """A compact record's stored top-K teacher as dense draft-vocab probabilities, with its stored top-1."""
     probs = dense_teacher(record["teacher_topk_ids"], record["teacher_topk_logprobs"], teacher.draft_vocab_size)
     top1 = record["target_top1"].long().to(teacher.device)
     return probs, top1, teacher.t2d[top1]
@@ -46,9 +62,8 @@ def collate(records: Sequence[Mapping[str, Any]], teacher: Teacher, pad_token_id
         target_top1=torch.zeros(size, length, dtype=torch.long, device=device),
         target_top1_in_draft=torch.zeros(size, length, dtype=torch.bool, device=device),
     )
-    for row, record in enumerate(records):
+    for row, (record, (probs, top1, in_draft)) in enumerate(zip(records, record_teachers(records, teacher))):
         count = len(record["input_ids"])
-        probs, top1, in_draft = record_teacher(record, teacher)
         batch.input_ids[row, :count] = record["input_ids"].long()
         batch.loss_mask[row, :count] = record["loss_mask"].long()
         batch.aux_hidden_state[row, :count] = dequantise_aux(record["aux_hidden_state"], record.get("aux_scale"),
