@@ -142,6 +142,11 @@ class RegenerationConfig(Section):
     seed: int = 0
     supervise: Literal["all", "last"] = "all"
     reasoning: Literal["off", "save"] = "off"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="the dtype the target writes replies in, for the local backend and the engine "
+        "the stage starts (not a server at base_url); auto: model.dtype, except that a float32 target runs in "
+        "bfloat16 on GPU and on CPUs with bf16 matrix units (AMX, AVX512-BF16), where it is several times faster. "
+        "Every record says which dtype wrote it")
 
     @field_validator("engine_env", mode="before")
     @classmethod

@@ -51,6 +51,9 @@ class GenerationParams(Record):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     stop_tokens: list[str]
     turns: list[TurnGeneration] = Field(default_factory=list)
+    dtype: Optional[str] = Field(
+        default=None, description="the dtype the target ran in (regeneration.dtype resolved); None: a server at "
+        "base_url, whose dtype is its own, or a record written before it was recorded")
 
 
 class Provenance(Record):

@@ -4,7 +4,7 @@
     eaglet dvc sync --check    # exit 1 naming each stage whose lists differ (CI)
 
 Per stage, `deps` become the upstream artifacts dvc.yaml already lists (`${output_dir}/...`, kept) plus the code
-flows/stage_code.py derives from the stage's imports, sorted; `params` become flows/stages.py STAGE_READS. Only
+tasks/common/stage_code.py derives from the stage's imports, sorted; `params` become flows/stages.py STAGE_READS. Only
 those two lists are rewritten, line by line, so comments, cmd, outs, metrics and plots stay as written.
 """
 
@@ -18,7 +18,7 @@ import yaml
 
 from flows.cli_common import console
 from flows.stage_cache import DVC_FILE, OUTPUT_DIR_VARIABLE, entry_names
-from flows.stage_code import stage_code_deps
+from tasks.common.stage_code import stage_code_deps
 from flows.stages import STAGE_ORDER, stage_reads
 
 SYNC_COMMAND = "eaglet dvc sync"

@@ -2,7 +2,7 @@
 
 A stage's cache key hashes its inputs by content: the upstream artifacts its dvc.yaml `deps` list
 (`${output_dir}` resolved from the run config, files and directories) and the code it runs, derived from its
-imports by flows/stage_code.py (the same list `eaglet dvc sync` writes into dvc.yaml's deps); the config fields it
+imports by tasks/common/stage_code.py (the same list `eaglet dvc sync` writes into dvc.yaml's deps); the config fields it
 declares in flows/stages.py `STAGE_READS` (values from the resolved RunConfig; dvc.yaml's `params` list the same
 names) and, for ingest, the files `data.sources` names. A cached result is only reused while the stage's outputs
 (`outs`, `metrics`, `plots`) are still the ones it wrote: `record_outputs` stamps them after each run and
@@ -26,7 +26,7 @@ import yaml
 
 from contract.config import RunConfig
 from contract.hashing import hash_file, hash_text
-from flows.stage_code import stage_code_deps
+from tasks.common.stage_code import stage_code_deps
 from flows.stages import stage_reads
 from tasks.common.artifacts import read_json, write_json
 from tasks.data.sources import source_fingerprints
@@ -175,7 +175,7 @@ def data_deps(name: str) -> tuple[str, ...]:
 
 
 def stage_cache_key(name: str, cfg: RunConfig) -> str:
-    """The hash of everything stage `name` reads: its upstream artifacts and its code (flows/stage_code.py) by
+    """The hash of everything stage `name` reads: its upstream artifacts and its code (tasks/common/stage_code.py) by
     content, its declared config fields (flows/stages.py STAGE_READS, which dvc.yaml's params mirror) by value,
     and for ingest the source files."""
     reads = stage_reads(name)

@@ -170,7 +170,15 @@ def generation_params(cfg: RunConfig, target_info: dict[str, Any]) -> Generation
         reasoning=settings.reasoning,
         chat_template_kwargs=dict(cfg.model.chat_template_kwargs),
         stop_tokens=[target_info["eos_token"]] if target_info.get("eos_token") else [],
+        dtype=None if settings.base_url else regeneration_dtype(cfg),
     )
+
+
+def regeneration_dtype(cfg: RunConfig) -> str:
+    """The dtype the target writes replies in (the local backend, or the engine the stage starts)."""
+    from tasks.common.devices import resolve_device, serving_dtype
+
+    return serving_dtype(cfg.regeneration.dtype, cfg.model.dtype, resolve_device(cfg.runtime.device))
 
 
 def settings_fingerprint(params: GenerationParams, cfg: RunConfig) -> str:
@@ -198,7 +206,7 @@ def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
     if settings.backend == "local":
         from tasks.data.generation_local import LocalGenerator
 
-        return LocalGenerator(target_dir, settings, cfg.model.dtype, cfg.model.chat_template_kwargs)
+        return LocalGenerator(target_dir, settings, regeneration_dtype(cfg), cfg.model.chat_template_kwargs)
     from tasks.data.generation_openai import OpenAIGenerator
 
     if settings.base_url is not None:
@@ -211,12 +219,14 @@ def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
 
 
 def regeneration_launch(cfg: RunConfig, log_path: Path):
-    """The engine this stage starts: runtime.engines.<regeneration.engine> plus `regeneration.engine_env`."""
+    """The engine this stage starts: runtime.engines.<regeneration.engine> plus `regeneration.engine_env`, in the
+    dtype `regeneration.dtype` resolves to."""
     from tasks.serving.engine import EngineLaunch
 
     settings = cfg.regeneration
     launch = EngineLaunch.from_config(settings.engine, cfg.runtime.engines[settings.engine],
                                       model=cfg.output_path / "target", log_path=log_path)
+    launch.dtype = regeneration_dtype(cfg)
     launch.env.update(unredacted_mapping(settings.engine_env, "regeneration.engine_env"))
     return launch
 

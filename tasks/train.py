@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,8 @@ from tasks.features.batches import collate
 from tasks.features.engine_states import EngineStates, online_capture_engine
 from tasks.features.shards import FeatureSet, check_manifest
 from tasks.training.checkpoint import (TrainerState, load_checkpoint, math_fields, prune_checkpoints, record_best,
-                                       resume_point, rng_state, save_checkpoint)
+                                       resume_point, rng_state, save_checkpoint,
+                                       training_code_fingerprint)
 from tasks.training.previous_run import cut_step_log, replay_step_metrics, set_aside
 from tasks.training.batch_plan import Cursor, epoch_batches, optimizer_steps, rank_share
 from tasks.training.parallel import (Distributed, full_draft_weights, full_optimizer_state, gradient_sync,
@@ -252,14 +253,16 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     shuffle_groups = math.ceil(len(set(shard_of)) / cfg.training.shuffle_buffer_shards)
     math_now = math_fields(cfg, env.world_size, manifest.get("fingerprint", ""), str(dtype).removeprefix("torch."),
                            shuffle_groups)
-    state = TrainerState(step=0, cursor=Cursor(), math=math_now, scheduler={}, eval_metrics={})
-    checkpoint = resume_point(cfg.output_path / "checkpoints", cfg.training.resume_from, math_now)
-    if checkpoint is None:
-        start_fresh(cfg, env)
+    code = training_code_fingerprint()
+    state = TrainerState(step=0, cursor=Cursor(), math=math_now, scheduler={}, eval_metrics={}, code=code)
+    point = resume_point(cfg.output_path / "checkpoints", cfg.training.resume_from, math_now, code)
+    if point.checkpoint is None:
+        start_fresh(cfg, env, point.other_code)
     else:
-        loaded = load_checkpoint(checkpoint, env.rank)
+        loaded = load_checkpoint(point.checkpoint, env.rank)
         load_full_state(module, optimizer, loaded.weights, loaded.optimizer_state)
         state = loaded.state
+        state.code = code  # the checkpoints it writes from here on
         scheduler.load_state_dict(state.scheduler)
     kept_steps = cut_step_log(cfg.output_path, state.step) if env.is_main and state.step else []
     env.barrier()
@@ -288,13 +291,16 @@ def open_features(cfg: RunConfig) -> tuple[Any, Any, dict[str, Any]]:
     return train_set, FeatureSet(features_dir, "eval") if has_eval else None, train_set.manifest
 
 
-def start_fresh(cfg: RunConfig, env: Distributed) -> None:
-    """A run that starts over sets the previous run's checkpoints, step log and exports aside (never deletes them)."""
+def start_fresh(cfg: RunConfig, env: Distributed, other_code: Optional[Path] = None) -> None:
+    """A run that starts over sets the previous run's checkpoints, step log and exports aside (never deletes them).
+    `other_code`: the newest checkpoint, which `auto` does not continue because other code wrote it."""
     if env.is_main:
         folder = set_aside(cfg.output_path)
         if folder is not None:
-            print(f"[train] starting over (training.resume_from={cfg.training.resume_from}): the previous run's "
-                  f"checkpoints, step log and exports moved to {folder}", flush=True)
+            reason = (f"{other_code.name} was written by other code (the train stage's code changed)"
+                      if other_code is not None else f"training.resume_from={cfg.training.resume_from}")
+            print(f"[train] starting over ({reason}): the previous run's checkpoints, step log and exports moved to "
+                  f"{folder}", flush=True)
     env.barrier()
 
 

@@ -31,7 +31,7 @@ def tiny_run_config(output_dir: str, model_dir: Path, chats: str, tracking: dict
                 {"name": "mtbench", "asset": "mtbench", "split": "eval", "limit": 3},
             ]
         },
-        "regeneration": {"max_new_tokens": 8, "batch_size": 4},
+        "regeneration": {"max_new_tokens": 8, "batch_size": 4, "dtype": "float32"},
         "validation": {"max_length": 256, "eval_fraction": 0.25,
                        "max_error_fraction": 0.2},  # the broken line: 1 error of the 7 items ingest takes on
         "capture": {"aux_layer_ids": [1, 2, 3], "draft_vocab_size": 128, "records_per_shard": 2},

@@ -19,7 +19,7 @@ from pipeline_inputs import tiny_run_config, write_conversations
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-#: What a stage runs: the packages its code deps live in (flows/stage_code.py) and the CLI dvc.yaml's cmds call.
+#: What a stage runs: the packages its code deps live in (tasks/common/stage_code.py) and the CLI dvc.yaml's cmds call.
 CODE_DIRECTORIES = ("contract", "models", "tasks", "expectations", "flows")
 
 

@@ -178,6 +178,7 @@ def test_sglang_command_with_and_without_a_draft(tmp_path: Path) -> None:
     assert flag(plain, "--model-path") == str(tmp_path / "t")
     assert flag(plain, "--host") == "127.0.0.1" and flag(plain, "--port") == "30000"
     assert "--enable-metrics" in plain and "--speculative-algorithm" not in plain
+    assert "--dtype" not in plain, "without a launch dtype SGLang keeps its own default"
 
     launch.draft, launch.num_speculative_tokens = tmp_path / "d", 3
     spec = engine_command(launch)
@@ -186,6 +187,15 @@ def test_sglang_command_with_and_without_a_draft(tmp_path: Path) -> None:
     assert flag(spec, "--speculative-num-steps") == "3"
     assert flag(spec, "--speculative-eagle-topk") == "1"
     assert flag(spec, "--speculative-num-draft-tokens") == "4"
+
+
+def test_a_launch_dtype_reaches_either_engine(tmp_path: Path) -> None:
+    """The regenerate stage asks for bfloat16 where the host runs it faster (regeneration.dtype)."""
+    for kind in ("vllm", "sglang"):
+        launch = EngineLaunch(kind=kind, model=tmp_path / "t", python="/py", port=8100, log_path=tmp_path / "l",
+                              dtype="bfloat16")
+        assert flag(engine_command(launch), "--dtype") == "bfloat16"
+        assert engine_command(launch).count("--dtype") == 1
 
 
 def test_sglang_command_serves_a_draft_tree_and_vllm_refuses_one(tmp_path: Path) -> None:

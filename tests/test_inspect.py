@@ -86,7 +86,7 @@ def test_features_line_up_with_tokens_and_the_teacher_predicts_the_next_one(tmp_
     cfg = RunConfig.model_validate({
         "output_dir": str(tmp_path / "out"), "model": {"source": "local", "path": str(model_dir)},
         "data": {"sources": [{"name": "chats", "path": str(chats)}]},
-        "regeneration": {"max_new_tokens": 12}, "capture": {"aux_layer_ids": [1, 2, 3], "dtype": "float32"},
+        "regeneration": {"max_new_tokens": 12, "dtype": "float32"}, "capture": {"aux_layer_ids": [1, 2, 3], "dtype": "float32"},
         "tracking": {"enabled": False},
     })
     target.run(cfg)
@@ -132,7 +132,7 @@ def test_smollm2_teacher_predicts_the_next_generated_token(tmp_path: Path, embed
                              [("a", "What is the capital of France?"), ("b", "Name three colours.")]))
     cfg = RunConfig.model_validate({
         "output_dir": str(tmp_path / "out"), "data": {"sources": [{"name": "chats", "path": str(chats)}]},
-        "regeneration": {"max_new_tokens": 24}, "capture": {"dtype": "float32", "draft_vocab_size": 2048},
+        "regeneration": {"max_new_tokens": 24, "dtype": "float32"}, "capture": {"dtype": "float32", "draft_vocab_size": 2048},
         "tracking": {"enabled": False},
     })
     target.run(cfg)

@@ -41,7 +41,7 @@ def prepare_run(tmp_path: Path, model_dir: Path, items: list[dict[str, Any]], **
     tmp_path.mkdir(parents=True, exist_ok=True)
     source = tmp_path / "chats.jsonl"
     source.write_text("".join(json.dumps(item) + "\n" for item in items))
-    settings = {"max_new_tokens": 12, "batch_size": 4, "chunk_records": 2, **regeneration}
+    settings = {"max_new_tokens": 12, "batch_size": 4, "chunk_records": 2, "dtype": "float32", **regeneration}
     cfg = RunConfig.model_validate({
         "output_dir": str(tmp_path / "out"),
         "model": {"source": "local", "path": str(model_dir)},
@@ -103,6 +103,25 @@ def test_greedy_is_deterministic_and_supervise_last(tmp_path: Path, tiny_target_
     one, two = by_id(regenerate.run(first).output_path), by_id(regenerate.run(second).output_path)
     assert [m.content for m in one["chats:1"].messages] == [m.content for m in two["chats:1"].messages]
     assert [m.supervised for m in two["chats:1"].messages if m.role == "assistant"] == [False, True]
+
+
+def test_records_say_which_dtype_wrote_them(tmp_path: Path, tiny_target_dir: Path) -> None:
+    """regeneration.dtype: auto resolves by the host (bfloat16 where the CPU has bf16 matrix units), an explicit
+    dtype is used as given; both are written into every record and key the journal."""
+    from tasks.common.host_compute import host_compute
+
+    expected = "bfloat16" if host_compute().native_bf16_matmul else "float32"
+    auto = prepare_run(tmp_path / "auto", tiny_target_dir, CHATS[:1], dtype="auto")
+    half = prepare_run(tmp_path / "half", tiny_target_dir, CHATS[:1], dtype="bfloat16")
+    for cfg, dtype in ((auto, expected), (half, "bfloat16")):
+        result = regenerate.run(cfg)
+        assert result.report.ok == 1
+        assert {record.generation.dtype for record in by_id(result.output_path).values()} == {dtype}
+    full = prepare_run(tmp_path / "full", tiny_target_dir, CHATS[:1])
+    params = [regenerate.generation_params(cfg, json.loads((cfg.output_path / "target.json").read_text()))
+              for cfg in (half, full)]
+    assert [p.dtype for p in params] == ["bfloat16", "float32"]
+    assert regenerate.settings_fingerprint(params[0], half) != regenerate.settings_fingerprint(params[1], full)
 
 
 def test_generation_stops_at_the_targets_stop_token(tmp_path: Path, tiny_target_dir: Path) -> None:

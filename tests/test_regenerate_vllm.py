@@ -49,6 +49,7 @@ def test_stage_starts_vllm_and_matches_the_local_backend(tmp_path: Path, tiny_ta
         assert [complete_text(m.content) for m in remote.messages] == [complete_text(m.content) for m in record.messages]
         assert [turn.completion_tokens for turn in remote.generation.turns] == [turn.completion_tokens for turn in record.generation.turns]
     assert remote_records["chats:a"].generation.backend == "openai:vllm"
+    assert remote_records["chats:a"].generation.dtype == "float32", "regeneration.dtype reached the record"
     log = (served.output_path / "logs" / "regenerate-vllm.log").read_text()
     assert "vllm.entrypoints.openai.api_server" in log
     assert "reserved_cpus=[]" in log, "regeneration.engine_env reached the engine (no core held back)"

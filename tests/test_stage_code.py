@@ -1,4 +1,4 @@
-"""A stage's code deps are derived from its imports (flows/stage_code.py), dvc.yaml lists exactly them, and
+"""A stage's code deps are derived from its imports (tasks/common/stage_code.py), dvc.yaml lists exactly them, and
 `eaglet dvc sync` rewrites only the lists it owns."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.dvc_sync import SYNC_COMMAND, stale_stages, synced_text
 from flows.stage_cache import DVC_FILE
-from flows.stage_code import (EXEMPT, PROJECT_PACKAGES, REPO_ROOT, STAGE_FILES, StageCodeError, derive_code_deps,
+from tasks.common.stage_code import (EXEMPT, PROJECT_PACKAGES, REPO_ROOT, STAGE_FILES, StageCodeError, derive_code_deps,
                               stage_code_deps)
 from flows.stages import STAGE_ORDER
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from models.vocab_mapping import write_safetensors_file
 from tasks import train
-from tasks.training.checkpoint import ResumeRefused
+from tasks.training.checkpoint import ResumeRefused, training_code_fingerprint
 from training_run import copied_run
 
 
@@ -195,6 +195,32 @@ def test_a_rerun_continues_by_default_and_a_math_change_keeps_the_checkpoints(ba
     assert (superseded[0] / "steps.jsonl").read_text() == step_log
     assert (superseded[0] / "draft" / "sglang" / "model.safetensors").is_file()
     assert len(losses(over)) == 4, "the new run's log holds only its own steps"
+
+
+def test_auto_does_not_continue_a_run_that_other_code_wrote(base_run, tmp_path: Path, monkeypatch, capsys) -> None:
+    """A code change reruns the train stage (DVC, the flow's cache); `auto` must then train anew instead of
+    handing back the finished run of the old code. A checkpoint path given explicitly is still continued."""
+    cfg = fresh(base_run, tmp_path, "code", max_steps=4)
+    train.run(cfg)
+    first = json.loads((cfg.output_path / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
+    assert first["code"] == training_code_fingerprint()
+    monkeypatch.setattr(train, "training_code_fingerprint", lambda: "changed-code")
+    assert train.run(cfg).values["complete"]
+    assert "step-00000004 was written by other code" in capsys.readouterr().out
+    superseded = list(cfg.output_path.glob("checkpoints.superseded-*"))
+    assert len(superseded) == 1 and (superseded[0] / "checkpoints" / "step-00000004").is_dir()
+    assert len(losses(cfg)) == 4, "every step was trained again"
+    again = json.loads((cfg.output_path / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
+    assert again["code"] == "changed-code"
+
+    monkeypatch.setattr(train, "training_code_fingerprint", lambda: "later-code")
+    longer = cfg.model_copy(update={"training": cfg.training.model_copy(update={
+        "max_steps": None, "resume_from": str(cfg.output_path / "checkpoints" / "step-00000004")})})
+    with pytest.raises(ResumeRefused, match="training.max_steps"):
+        train.run(longer)  # an explicit path skips the code check, never the math check
+    same_math = longer.model_copy(update={"training": longer.training.model_copy(update={"max_steps": 4})})
+    assert train.run(same_math).values["steps"] == 4
+    assert not list(cfg.output_path.glob("checkpoints.superseded-*"))[1:], "continued, not set aside"
 
 
 def test_a_killed_run_resumes_without_repeating_steps_in_the_log_or_in_mlflow(base_run, tmp_path: Path,

@@ -87,6 +87,7 @@ class EngineLaunch:
     env: dict[str, str] = field(default_factory=dict, repr=False)  # secret values (contract/secrets.py)
     startup_timeout_s: float = 600.0
     served_model_name: str = "target"
+    dtype: Optional[str] = None      # None: vLLM float32 (see engine_command), SGLang its own default
 
     @classmethod
     def from_config(
@@ -124,9 +125,9 @@ class EngineLaunch:
 def engine_command(launch: EngineLaunch) -> list[str]:
     """The argv that starts the engine, bound to 127.0.0.1, with EAGLE3 speculative decoding when `draft` is set.
 
-    vLLM runs `--dtype float32`: our targets are fp32 checkpoints and vLLM's `auto` would downcast them to
-    bfloat16, so greedy outputs would no longer match the local transformers backend (with float32 they
-    match token for token). `--enforce-eager` skips torch.compile (ready in seconds instead of minutes).
+    vLLM runs `--dtype float32` unless `launch.dtype` says otherwise: our targets are fp32 checkpoints and vLLM's
+    `auto` would downcast them to bfloat16, so greedy outputs would no longer match the local transformers backend
+    (with float32 they match token for token); the regenerate stage asks for bfloat16 where it runs faster. `--enforce-eager` skips torch.compile (ready in seconds instead of minutes).
     """
     n = launch.num_speculative_tokens
     if n < 1:
@@ -141,7 +142,7 @@ def engine_command(launch: EngineLaunch) -> list[str]:
             "--port", str(launch.port),
             "--served-model-name", launch.served_model_name,
             "--enforce-eager",
-            "--dtype", "float32",
+            "--dtype", launch.dtype or "float32",
         ]  # fmt: skip
         if launch.draft is not None:
             spec = {"method": "eagle3", "model": str(launch.draft), "num_speculative_tokens": n}
@@ -155,6 +156,8 @@ def engine_command(launch: EngineLaunch) -> list[str]:
             "--served-model-name", launch.served_model_name,
             "--enable-metrics",
         ]  # fmt: skip
+        if launch.dtype is not None:
+            command += ["--dtype", launch.dtype]
         if launch.draft is not None:
             command += [
                 "--speculative-algorithm", "EAGLE3",

@@ -6,12 +6,16 @@ checkpoint is written under a temp name and renamed; the last `keep_last` are ke
 `simulated_accept_len`. Resuming with a different `math` field is refused, naming the field; nothing is deleted
 for it (tasks/training/previous_run.py sets an old run aside only when asked to start over).
 
-`training.resume_from`: `auto` (default) continues the newest checkpoint when there is one, `none` starts over,
-a path continues that checkpoint.
+`training.resume_from`: `auto` (default) continues the newest checkpoint when there is one and the same code
+wrote it, `none` starts over, a path continues that checkpoint whatever code wrote it. A checkpoint records the
+train stage's code fingerprint (`training_code_fingerprint`): when the code changed, DVC and the flow run the stage
+again, and continuing the old run under `auto` would hand back the weights the old code trained (for a finished
+run, the very same export), so `auto` starts over instead, setting the old run aside.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -67,6 +71,7 @@ class TrainerState:
     scheduler: dict[str, Any]
     eval_metrics: dict[str, float]
     best_simulated_accept_len: Optional[float] = None
+    code: str = ""  # training_code_fingerprint() of the code that wrote it ("" before it was recorded)
 
 
 def rng_state() -> dict[str, Any]:
@@ -152,19 +157,42 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     return candidates[-1] if candidates else None
 
 
-def resume_point(root: Path, resume_from: str, wanted_math: dict[str, Any]) -> Optional[Path]:
-    """The checkpoint this run continues (None: start fresh); refuses one trained under other math."""
+def training_code_fingerprint() -> str:
+    """The content hash of the code the train stage runs (the files dvc.yaml lists as its code deps)."""
+    from tasks.common.stage_code import REPO_ROOT, stage_code_deps
+
+    digest = hashlib.sha256()
+    for path in stage_code_deps("train"):
+        digest.update(path.encode() + b"\0" + (REPO_ROOT / path).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run continues (None: start fresh), and why an `auto` run starts fresh despite one."""
+
+    checkpoint: Optional[Path]
+    other_code: Optional[Path] = None  # the newest checkpoint, written by other code (auto starts over)
+
+
+def resume_point(root: Path, resume_from: str, wanted_math: dict[str, Any], code: str) -> ResumePoint:
+    """The checkpoint this run continues; refuses one trained under other math. Under `auto`, a checkpoint that
+    other code wrote is not continued (the stage runs again because its code changed)."""
     if resume_from == RESUME_NONE:
-        return None
+        return ResumePoint(None)
     if resume_from == RESUME_AUTO:
         checkpoint = latest_checkpoint(root)
     else:
         checkpoint = Path(resume_from)
         if not (checkpoint / "trainer_state.json").is_file():
             raise FileNotFoundError(f"training.resume_from '{resume_from}' is not a trainer checkpoint")
-    if checkpoint is not None:
-        check_resumable(json.loads((checkpoint / "trainer_state.json").read_text())["math"], wanted_math, checkpoint)
-    return checkpoint
+    if checkpoint is None:
+        return ResumePoint(None)
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
+    if resume_from == RESUME_AUTO and saved.get("code", "") != code:
+        return ResumePoint(None, other_code=checkpoint)
+    check_resumable(saved["math"], wanted_math, checkpoint)
+    return ResumePoint(checkpoint)
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> None:

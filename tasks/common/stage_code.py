@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Packages whose modules can change a stage's outputs (flows/ only runs stages; libraries are pinned elsewhere).
 PROJECT_PACKAGES: tuple[str, ...] = ("contract", "models", "tasks", "expectations")
 
