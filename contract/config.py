@@ -317,6 +317,10 @@ class TrainingConfig(Section):
         default=0.0, ge=0.0, description="std of Gaussian noise added to the target's aux hidden states of each "
         "training batch (not evaluation): the draft learns to tolerate the drift its own predictions cause at serving "
         "time (EAGLE adds uniform noise, speculators Gaussian of std 0.05); 0 adds none")
+    dropout: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="dropout on the draft layer's attention and MLP outputs while "
+        "training (held-out evaluation and serving run without it): another guard against fitting the few training "
+        "records; 0 adds none")
     freeze_lm_head: bool = Field(
         default=False, description="keep the draft's lm_head at the target's rows (as EAGLE-1/2 reuse the target's "
         "head): fewer weights to learn from little data")

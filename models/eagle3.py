@@ -193,6 +193,7 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
+        self.dropout = nn.Dropout(0.0)  # on the attention and MLP outputs while training (Eagle3Draft.set_dropout)
 
 
 @dataclass
@@ -235,6 +236,11 @@ class Eagle3Draft(nn.Module):
         self.d2t.copy_(d2t.to(torch.int64))
         self.t2d.copy_(t2d.to(torch.bool))
 
+    def set_dropout(self, probability: float) -> None:
+        """Residual dropout of the decoder layer, active in train mode only (a training setting: the engines
+        run the layer without it, and nothing of it is saved)."""
+        self.midlayer.dropout.p = probability
+
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """g = fc(aux); an input already of width H (a previous step's h_out) passes through."""
         if aux.shape[-1] == self.config.hidden_size:
@@ -262,8 +268,8 @@ class Eagle3Draft(nn.Module):
         layer = self.midlayer
         batch, _, length, _ = attended.shape
         merged = attended.transpose(1, 2).reshape(batch, length, -1)
-        residual = hidden + layer.self_attn.o_proj(merged)
-        return residual + layer.mlp(layer.post_attention_layernorm(residual))
+        residual = hidden + layer.dropout(layer.self_attn.o_proj(merged))
+        return residual + layer.dropout(layer.mlp(layer.post_attention_layernorm(residual)))
 
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of a step's output."""

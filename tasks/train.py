@@ -33,9 +33,10 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -176,6 +177,7 @@ def build_draft(cfg: RunConfig, heads: TargetHeads, manifest: dict[str, Any], de
     draft.attach_embedding(heads.embedding)
     draft.initialise_from_target(heads.lm_head, heads.final_norm)
     draft.lm_head.weight.requires_grad_(not cfg.training.freeze_lm_head)
+    draft.set_dropout(cfg.training.dropout)
     return draft
 
 
@@ -503,7 +505,7 @@ def evaluate_features(draft: Eagle3Draft, features: Any, teacher: Teacher, steps
     and the simulated accept length of a chain of `steps` (in the teacher's compute dtype)."""
     correct, counts, accepted = [0.0] * steps, [0.0] * steps, [0.0] * steps
     ploss = [0.0] * steps
-    with torch.no_grad(), autocast(teacher.device, teacher.dtype):
+    with torch.no_grad(), autocast(teacher.device, teacher.dtype), evaluation_mode(draft):
         for record in features:
             output = ttt_forward(draft, collate([record], teacher), steps,
                                  attention_backend=attention_backend)
@@ -519,6 +521,17 @@ def evaluate_features(draft: Eagle3Draft, features: Any, teacher: Teacher, steps
         metrics[f"ploss_{step}"] = ploss[step] / len(features)
     metrics["simulated_accept_len"] = simulated_accept_length([metrics[f"acc_{step}"] for step in range(steps)])
     return metrics
+
+
+@contextmanager
+def evaluation_mode(draft: Eagle3Draft) -> Iterator[None]:
+    """The draft without training-only randomness (dropout), restored to its mode afterwards."""
+    was_training = draft.training
+    draft.eval()
+    try:
+        yield
+    finally:
+        draft.train(was_training)
 
 
 def finish(loop: Loop, before: dict[str, float]) -> TrainResult:

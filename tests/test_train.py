@@ -14,6 +14,9 @@ from typer.testing import CliRunner
 from flows.cli import app
 from models.vocab_mapping import write_safetensors_file
 from tasks import train
+from models.target_heads import load_target_heads
+from models.teacher import Teacher
+from tasks.features.shards import FeatureSet
 from tasks.training.checkpoint import ResumeRefused, training_code_fingerprint
 from training_run import copied_run
 
@@ -57,10 +60,10 @@ def test_training_improves_acceptance_and_exports_the_draft(base_run, tmp_path: 
 
 
 def test_halt_and_resume_is_bit_identical_to_a_straight_run(base_run, tmp_path: Path) -> None:
-    """With noise on the hidden states too: its generator's state is part of the checkpoint."""
-    straight = fresh(base_run, tmp_path, "straight", hidden_noise_std=0.05)
+    """With noise on the hidden states and dropout too: their generator's state is part of the checkpoint."""
+    straight = fresh(base_run, tmp_path, "straight", hidden_noise_std=0.05, dropout=0.1)
     train.run(straight)
-    halted = fresh(base_run, tmp_path, "halted", halt_after=9, hidden_noise_std=0.05)
+    halted = fresh(base_run, tmp_path, "halted", halt_after=9, hidden_noise_std=0.05, dropout=0.1)
     first = train.run(halted)
     assert not first.values["complete"] and first.values["steps"] == 9
     resumed = train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None, "resume_from": "auto"})}))
@@ -99,6 +102,30 @@ def test_a_checkpoint_that_does_not_record_the_shuffle_is_refused(base_run, tmp_
     with pytest.raises(ResumeRefused, match=r"training.shuffle: checkpoint not recorded, run 'plain'"):
         train.run(halted.model_copy(update={"training": halted.training.model_copy(update={"halt_after": None})}))
     assert (checkpoint / "trainer_state.json").is_file(), "the refused checkpoint is kept"
+
+
+def test_dropout_acts_in_training_only(base_run, tmp_path: Path) -> None:
+    """training.dropout changes the training steps; the held-out evaluation runs the layer without it."""
+    from safetensors.torch import load_file as read_weights
+
+    plain = fresh(base_run, tmp_path, "plain", max_steps=4)
+    dropped = fresh(base_run, tmp_path, "dropped", max_steps=4, dropout=0.3)
+    train.run(plain)
+    result = train.run(dropped)
+    assert losses(plain)[1] != losses(dropped)[1]
+    summary = json.loads((dropped.output_path / "train" / "summary.json").read_text())
+    checkpoint = dropped.output_path / "checkpoints" / "step-00000004" / "draft.safetensors"
+    draft = train.build_draft(dropped, load_target_heads(dropped.output_path / "target"),
+                              json.loads((dropped.output_path / "features" / "manifest.json").read_text()),
+                              torch.device("cpu"))
+    draft.load_state_dict(read_weights(str(checkpoint)), strict=False)
+    assert draft.midlayer.dropout.p == 0.3 and draft.training
+    teacher = Teacher(load_target_heads(dropped.output_path / "target").lm_head, draft.t2d, torch.float32)
+    eval_set = FeatureSet(dropped.output_path / "features", "eval")
+    first = train.evaluate_features(draft, eval_set, teacher, dropped.training.ttt_length)
+    second = train.evaluate_features(draft, eval_set, teacher, dropped.training.ttt_length)
+    assert first == second and draft.training, "no dropout in evaluation, and the draft's mode is restored"
+    assert first["acc_0"] == pytest.approx(result.values["eval_acc_0"]) and summary["eval_acc_0"] == result.values["eval_acc_0"]
 
 
 def test_resume_with_another_ttt_length_is_refused(base_run, tmp_path: Path) -> None:

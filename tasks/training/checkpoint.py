@@ -51,7 +51,7 @@ def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str, comp
         "training.mode": training.mode, "training.ttt_length": training.ttt_length,
         "training.learning_rate": training.learning_rate, "training.weight_decay": training.weight_decay,
         "training.warmup_ratio": training.warmup_ratio, "training.max_grad_norm": training.max_grad_norm,
-        "training.hidden_noise_std": training.hidden_noise_std,
+        "training.hidden_noise_std": training.hidden_noise_std, "training.dropout": training.dropout,
         "training.freeze_lm_head": training.freeze_lm_head,
         "training.epochs": training.epochs, "training.max_steps": training.max_steps,
         "training.tokens_per_step": training.tokens_per_step, "training.grad_accumulation": training.grad_accumulation,
