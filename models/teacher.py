@@ -11,11 +11,17 @@ A training step needs only what the loss teaches, the distribution renormalised 
 is a softmax over the Vd draft logits, six times narrower than the log-sum-exp over the whole vocabulary, which was
 the teacher's largest cost after the matmul. The full-vocabulary mass (whose share outside the draft vocabulary no
 draft token can earn) is computed where expected acceptance is reported (`outside_mass=True`, the evaluations).
+
+Without the outside mass, the draft tokens' probabilities come from the draft vocabulary's rows of the lm_head alone
+(Vd x H, a sixth of the full head), and the full-vocabulary pass only settles the target's top-1. The top-1 of a
+record never changes, so a trainer that has seen a record passes its top-1 back (`known_top1`) and later epochs
+skip the full-vocabulary pass altogether (tasks/features/batches.TopOneCache).
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 
@@ -40,6 +46,7 @@ class Teacher:
         self.weight = lm_head_weight.to(dtype)       # cast once per run, not once per batch
         self.t2d = t2d.to(lm_head_weight.device)
         self.draft_ids = self.t2d.nonzero().squeeze(-1)  # the draft vocab's target ids, in draft order
+        self.draft_weight = self.weight[self.draft_ids]  # the draft vocab's rows: its logits without the rest
         self.dtype = dtype
         self.rows_per_chunk = rows_per_chunk
         self.outside_mass = outside_mass
@@ -58,8 +65,13 @@ class Teacher:
     def draft_vocab_size(self) -> int:
         return int(self.draft_ids.numel())
 
-    def __call__(self, hidden_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For states [..., H]: probs float32 [..., Vd], top1 int64 [...], in_draft bool [...]."""
+    def __call__(self, hidden_state: torch.Tensor,
+                 known_top1: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For states [..., H]: probs float32 [..., Vd], top1 int64 [...], in_draft bool [...]. `known_top1` [...]:
+        the top-1 this teacher gave for these very states before (only without the outside mass: the full pass
+        that gives the top-1 gives the mass too)."""
+        if known_top1 is not None and self.outside_mass:
+            raise ValueError("known_top1 skips the full-vocabulary pass, which the outside mass needs")
         leading = hidden_state.shape[:-1]
         count = leading.numel()
         rows = pad_rows(hidden_state.reshape(count, hidden_state.shape[-1]).to(self.device), shape_bucket(self.dtype))
@@ -68,16 +80,24 @@ class Teacher:
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             for start in range(0, rows.shape[0], self.rows_per_chunk):
                 chunk = slice(start, start + self.rows_per_chunk)
-                probs[chunk], top1[chunk] = self.chunk(rows[chunk])
-        probs, top1 = probs[:count], top1[:count]
+                if self.outside_mass:
+                    probs[chunk], top1[chunk] = self.chunk_with_outside_mass(rows[chunk])
+                    continue
+                probs[chunk] = self.draft_softmax(rows[chunk])
+                if known_top1 is None:
+                    top1[chunk] = self.top1(rows[chunk], rows[chunk].to(self.dtype) @ self.weight.T)
+        probs = probs[:count]
+        top1 = top1[:count] if known_top1 is None else known_top1.reshape(count).to(self.device)
         return probs.reshape(*leading, -1), top1.reshape(leading), self.t2d[top1].reshape(leading)
 
-    def chunk(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft-token probabilities, top-1) of one chunk of rows."""
+    def draft_softmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target's distribution renormalised over the draft vocabulary, from the draft vocab's rows alone."""
+        return torch.softmax((rows.to(self.dtype) @ self.draft_weight.T).float(), dim=-1)
+
+    def chunk_with_outside_mass(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft-token probabilities over the full vocabulary, top-1) of one chunk of rows."""
         logits = rows.to(self.dtype) @ self.weight.T
         draft_logits = logits.index_select(-1, self.draft_ids).float()
-        if not self.outside_mass:
-            return torch.softmax(draft_logits, dim=-1), self.top1(rows, logits)
         log_normaliser = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
         return torch.exp(draft_logits - log_normaliser), self.top1(rows, logits)
 

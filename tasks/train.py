@@ -53,7 +53,7 @@ from models.vocab_mapping import load_vocab_mapping
 from tasks.common.artifacts import atomic_file, read_json, write_json
 from tasks.common.devices import autocast, compute_dtype, resolve_device
 from tasks.common.host_compute import host_compute
-from tasks.features.batches import collate
+from tasks.features.batches import TopOneCache, collate
 from tasks.features.engine_states import EngineStates, online_capture_engine
 from tasks.features.shards import FeatureSet, check_manifest
 from tasks.training.checkpoint import (TrainerState, load_checkpoint, math_fields, prune_checkpoints, record_best,
@@ -219,6 +219,9 @@ class Loop:
     state: TrainerState
     tracker: Any = None
     history: list[dict[str, float]] = field(default_factory=list)
+    # offline: the target's top-1 per record from its first epoch (stored states give the same top-1 every time;
+    # an engine's online states may not, so online runs settle it each time)
+    top1_cache: Optional[TopOneCache] = None
 
 
 def train(cfg: RunConfig) -> TrainResult:
@@ -271,6 +274,7 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     teacher = Teacher(heads.lm_head, draft.t2d, dtype, outside_mass=False)  # training steps; evaluate() adds the mass
     loop = Loop(cfg, env, draft, full_draft, module, optimizer, scheduler, train_set, eval_set, heads, teacher, manifest,
                 dtype, lengths, record_ids, total_steps, math_now, state)
+    loop.top1_cache = TopOneCache() if cfg.training.mode == "offline" else None
     with training_tracker(cfg, env) as tracker:
         loop.tracker = tracker
         if tracker is not None:
@@ -392,8 +396,9 @@ def micro_batch(loop: Loop, global_batch: list[int]) -> tuple[TTTBatch, list[dic
     zero-weight copy of the first one, so the collective calls still line up."""
     env = loop.env
     mine = rank_share(global_batch, env.rank, env.world_size)
-    records = loop.train_set.records(mine or global_batch[:1])
-    batch = collate(records, loop.teacher)
+    keys = mine or global_batch[:1]
+    records = loop.train_set.records(keys)
+    batch = collate(records, loop.teacher, keys=keys, cache=loop.top1_cache)
     if not mine:
         batch.loss_mask.zero_()
         records = []

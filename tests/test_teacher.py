@@ -98,3 +98,44 @@ def test_the_teacher_ignores_an_enclosing_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         inside = Teacher(lm_head, t2d)(hidden)
     torch.testing.assert_close(inside[0], outside[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_known_top1_skips_the_full_vocabulary_pass_and_changes_nothing(dtype: torch.dtype,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Later epochs pass the top-1 the teacher gave before: the same teaching, without the full-vocabulary pass."""
+    hidden, lm_head, t2d = lm_inputs(6)
+    teacher = Teacher(lm_head, t2d, dtype, rows_per_chunk=16, outside_mass=False)
+    first = teacher(hidden)
+
+    def no_full_pass(*_: object) -> torch.Tensor:
+        raise AssertionError("the full-vocabulary top-1 pass ran although the top-1 was known")
+
+    monkeypatch.setattr(teacher, "top1", no_full_pass)
+    again = teacher(hidden, known_top1=first[1])
+    for before, after in zip(first, again):
+        assert torch.equal(before, after)
+    with pytest.raises(ValueError, match="outside mass"):
+        teacher.with_outside_mass(True)(hidden, known_top1=first[1])
+
+
+def test_collate_with_a_top1_cache_gives_the_same_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's TopOneCache: a record's second batch reuses its top-1 and equals a batch built without it."""
+    from tasks.features.batches import TopOneCache, collate
+
+    hidden, lm_head, t2d = lm_inputs(7)
+    generator = torch.Generator().manual_seed(7)
+    records = [{"input_ids": torch.randint(0, VOCAB, (length,), generator=generator),
+                "loss_mask": torch.ones(length, dtype=torch.long),
+                "hidden_state": hidden[0, :length], "aux_hidden_state": torch.randn(length, 3 * HIDDEN)}
+               for length in (37, 20)]
+    teacher = Teacher(lm_head, t2d, outside_mass=False)
+    cache = TopOneCache()
+    plain = collate(records, teacher)
+    first = collate(records, teacher, keys=[4, 9], cache=cache)
+    assert sorted(cache.top1) == [4, 9] and cache.top1[9].shape == (20,)
+    monkeypatch.setattr(teacher, "top1", lambda *_: pytest.fail("the cached top-1 was not used"))
+    second = collate(records, teacher, keys=[4, 9], cache=cache)
+    for name in ("target_probs", "target_top1", "target_top1_in_draft", "input_ids", "aux_hidden_state"):
+        assert torch.equal(getattr(plain, name), getattr(first, name)), name
+        assert torch.equal(getattr(plain, name), getattr(second, name)), name

@@ -6,7 +6,7 @@ lm_head. Compact records carry a sparse top-k teacher over the draft vocab and t
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -19,16 +19,41 @@ from tasks.features.shards import dense_teacher, dequantise_aux
 Teaching = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def record_teachers(records: Sequence[Mapping[str, Any]], teacher: Teacher) -> list[Teaching]:
+class TopOneCache:
+    """The target's top-1 of each training record, by the record's index, from the first time the teacher saw it:
+    a record's top-1 never changes, and settling it is the teacher's full-vocabulary pass (49,152 columns for
+    SmolLM2 against the draft vocabulary's 8,192), so later epochs skip that pass. 8 bytes per token."""
+
+    def __init__(self) -> None:
+        self.top1: dict[int, torch.Tensor] = {}
+
+    def known(self, keys: Sequence[int]) -> Optional[torch.Tensor]:
+        """The records' top-1s end to end, or None unless every one of them is known."""
+        if not keys or any(key not in self.top1 for key in keys):
+            return None
+        return torch.cat([self.top1[key] for key in keys])
+
+    def remember(self, keys: Sequence[int], top1: Sequence[torch.Tensor]) -> None:
+        for key, values in zip(keys, top1):
+            self.top1[key] = values
+
+
+def record_teachers(records: Sequence[Mapping[str, Any]], teacher: Teacher, keys: Optional[Sequence[int]] = None,
+                    cache: Optional[TopOneCache] = None) -> list[Teaching]:
     """(target probs of the draft tokens, full-vocab top-1, top-1 in draft vocab) of each record. Lossless records'
     final states go through the teacher in one call (full chunks of rows, one padding to a shape bucket) and give
-    what the teacher gives; compact records stored their top-K renormalised over the draft vocab, so theirs sum to 1
-    and their expected acceptance reads as if the target kept no mass outside the draft vocab."""
+    what the teacher gives (with `cache` and the records' `keys`, the top-1s it gave before); compact records stored
+    their top-K renormalised over the draft vocab, so theirs sum to 1 and their expected acceptance reads as if the
+    target kept no mass outside the draft vocab."""
     lossless = [index for index, record in enumerate(records) if "hidden_state" in record]
     teachings: dict[int, Teaching] = {}
     if lossless:
         counts = [len(records[index]["hidden_state"]) for index in lossless]
-        probs, top1, in_draft = teacher(torch.cat([records[index]["hidden_state"] for index in lossless]))
+        lossless_keys = [keys[index] for index in lossless] if keys is not None and cache is not None else []
+        known = cache.known(lossless_keys) if lossless_keys else None
+        probs, top1, in_draft = teacher(torch.cat([records[index]["hidden_state"] for index in lossless]), known)
+        if lossless_keys and known is None:
+            cache.remember(lossless_keys, top1.split(counts))
         for index, *parts in zip(lossless, probs.split(counts), top1.split(counts), in_draft.split(counts)):
             teachings[index] = tuple(parts)
     for index, record in enumerate(records):
@@ -44,7 +69,8 @@ def compact_teacher(record: Mapping[str, Any], teacher: Teacher) -> Teaching:
     return probs, top1, teacher.t2d[top1]
 
 
-def collate(records: Sequence[Mapping[str, Any]], teacher: Teacher, pad_token_id: int = 0) -> TTTBatch:
+def collate(records: Sequence[Mapping[str, Any]], teacher: Teacher, pad_token_id: int = 0,
+            keys: Optional[Sequence[int]] = None, cache: Optional[TopOneCache] = None) -> TTTBatch:
     """Right-pad records to the longest, rounded up to a shape bucket (models/shape_buckets.py: a batch of a length
     seen before reuses its bf16 kernels); padding is never supervised. The batch lives where the teacher's lm_head
     is (the teacher is computed there); its aux states are in the teacher's compute dtype, the one the draft's fc
@@ -62,7 +88,8 @@ def collate(records: Sequence[Mapping[str, Any]], teacher: Teacher, pad_token_id
         target_top1=torch.zeros(size, length, dtype=torch.long, device=device),
         target_top1_in_draft=torch.zeros(size, length, dtype=torch.bool, device=device),
     )
-    for row, (record, (probs, top1, in_draft)) in enumerate(zip(records, record_teachers(records, teacher))):
+    teachings = record_teachers(records, teacher, keys, cache)
+    for row, (record, (probs, top1, in_draft)) in enumerate(zip(records, teachings)):
         count = len(record["input_ids"])
         batch.input_ids[row, :count] = record["input_ids"].long()
         batch.loss_mask[row, :count] = record["loss_mask"].long()
