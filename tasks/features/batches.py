@@ -84,7 +84,7 @@ def collate(records: Sequence[Mapping[str, Any]], teacher: Teacher, pad_token_id
         input_ids=torch.full((size, length), pad_token_id, dtype=torch.long, device=device),
         loss_mask=torch.zeros(size, length, dtype=torch.long, device=device),
         aux_hidden_state=torch.zeros(size, length, width, dtype=teacher.dtype, device=device),
-        target_probs=torch.zeros(size, length, draft_vocab_size, device=device),
+        target_probs=torch.empty(size, length, draft_vocab_size, device=device),  # the largest: written once below
         target_top1=torch.zeros(size, length, dtype=torch.long, device=device),
         target_top1_in_draft=torch.zeros(size, length, dtype=torch.bool, device=device),
     )
@@ -96,6 +96,7 @@ def collate(records: Sequence[Mapping[str, Any]], teacher: Teacher, pad_token_id
         batch.aux_hidden_state[row, :count] = dequantise_aux(record["aux_hidden_state"], record.get("aux_scale"),
                                                              teacher.dtype)
         batch.target_probs[row, :count] = probs
+        batch.target_probs[row, count:] = 0.0
         batch.target_top1[row, :count] = top1
         batch.target_top1_in_draft[row, :count] = in_draft
     return batch
