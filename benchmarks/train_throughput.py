@@ -53,7 +53,8 @@ from tasks import train
 cfg = load_config(Path(sys.argv[2]), json.loads(sys.argv[3]))
 started = time.perf_counter()
 values = train.run(cfg).values
-print("STAGE " + json.dumps({"seconds": time.perf_counter() - started, "values": values}, default=str))
+print("STAGE " + json.dumps({"seconds": time.perf_counter() - started, "values": values, "code": train.__file__},
+                           default=str))
 """
 
 
@@ -65,6 +66,8 @@ def stage_in_process(code: Path, config: Path, overrides: list[str]) -> tuple[di
         raise SystemExit(f"the train stage of {code} failed:\n{done.stderr[-3000:]}")
     line = [text for text in done.stdout.splitlines() if text.startswith("STAGE ")][-1]
     result = json.loads(line.removeprefix("STAGE "))
+    if not Path(result["code"]).resolve().is_relative_to(code.resolve()):
+        raise SystemExit(f"the train stage ran from {result['code']}, not from {code}")
     return result["values"], result["seconds"]
 
 
