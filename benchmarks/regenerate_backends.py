@@ -43,6 +43,13 @@ def training_requests(count: int) -> list[GenerationRequest]:
             for index, text in enumerate(prompts[:count])]
 
 
+def embedded_target(output_dir: str | None, prompts: int) -> tuple[Path, RunConfig, Path, list[GenerationRequest]]:
+    """(run dir, its default config, the materialised embedded target, the first `prompts` training requests)."""
+    run_dir = Path(output_dir or tempfile.mkdtemp(prefix="eaglet-bench-"))
+    cfg = RunConfig.model_validate({"output_dir": str(run_dir)})
+    return run_dir, cfg, target.run(cfg).directory, training_requests(prompts)
+
+
 def timed(generator: Generator, requests: list[GenerationRequest]) -> tuple[float, list[GenerationReply]]:
     started = time.perf_counter()
     replies = generator.generate(requests)
@@ -66,10 +73,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight to the engine")
     parser.add_argument("--output-dir", default=None, help="run dir holding (or to hold) target/")
     args = parser.parse_args()
-    output_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="eaglet-bench-"))
-    cfg = RunConfig.model_validate({"output_dir": str(output_dir)})
-    target_dir = target.run(cfg).directory
-    requests = training_requests(args.prompts)
+    output_dir, cfg, target_dir, requests = embedded_target(args.output_dir, args.prompts)
     settings = RegenerationConfig(backend="openai", engine="vllm", max_new_tokens=args.max_new_tokens,
                                   batch_size=args.batch, concurrency=args.concurrency)
     print(f"prompts {len(requests)}, max_new_tokens {args.max_new_tokens}, greedy, rounds {args.rounds}")

@@ -12,15 +12,13 @@ the bfloat16/float32 ratio of the medians, and how many greedy replies are ident
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from regenerate_backends import timed, training_requests
+from regenerate_backends import embedded_target, timed
 from rounds import median_and_range
-from contract.config import RegenerationConfig, RunConfig
-from tasks import target
+from contract.config import RegenerationConfig
 from tasks.common.host_compute import host_compute
 from tasks.data.generation import GenerationReply
 from tasks.data.generation_openai import OpenAIGenerator
@@ -38,10 +36,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--output-dir", default=None, help="run dir holding (or to hold) target/")
     args = parser.parse_args()
-    output_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="eaglet-bench-"))
-    cfg = RunConfig.model_validate({"output_dir": str(output_dir)})
-    target_dir = target.run(cfg).directory
-    requests = training_requests(args.prompts)
+    output_dir, cfg, target_dir, requests = embedded_target(args.output_dir, args.prompts)
     settings = RegenerationConfig(backend="openai", engine="vllm", max_new_tokens=args.max_new_tokens,
                                   concurrency=args.concurrency)
     print(f"host: {host_compute().describe()}")

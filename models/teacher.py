@@ -83,16 +83,18 @@ class Teacher:
                 if self.outside_mass:
                     probs[chunk], top1[chunk] = self.chunk_with_outside_mass(rows[chunk])
                     continue
-                probs[chunk] = self.draft_softmax(rows[chunk])
+                cast = rows[chunk].to(self.dtype)  # once per chunk: the draft softmax and the top-1 pass share it
+                probs[chunk] = self.draft_softmax(cast)
                 if known_top1 is None:
-                    top1[chunk] = self.top1(rows[chunk], rows[chunk].to(self.dtype) @ self.weight.T)
+                    top1[chunk] = self.top1(rows[chunk], cast @ self.weight.T)
         probs = probs[:count]
         top1 = top1[:count] if known_top1 is None else known_top1.reshape(count).to(self.device)
         return probs.reshape(*leading, -1), top1.reshape(leading), self.t2d[top1].reshape(leading)
 
-    def draft_softmax(self, rows: torch.Tensor) -> torch.Tensor:
-        """The target's distribution renormalised over the draft vocabulary, from the draft vocab's rows alone."""
-        return torch.softmax((rows.to(self.dtype) @ self.draft_weight.T).float(), dim=-1)
+    def draft_softmax(self, cast_rows: torch.Tensor) -> torch.Tensor:
+        """The target's distribution renormalised over the draft vocabulary, from the draft vocab's rows alone
+        (`cast_rows`: states already in the teacher's dtype)."""
+        return torch.softmax((cast_rows @ self.draft_weight.T).float(), dim=-1)
 
     def chunk_with_outside_mass(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft-token probabilities over the full vocabulary, top-1) of one chunk of rows."""

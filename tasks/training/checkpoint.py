@@ -15,7 +15,6 @@ run, the very same export), so `auto` starts over instead, setting the old run a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
@@ -28,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contract.config import RESUME_AUTO, RESUME_NONE, RunConfig
+from contract.hashing import hash_files
 from tasks.common.artifacts import atomic_directory, write_json
 from tasks.training.batch_plan import Cursor
 
@@ -161,10 +161,7 @@ def training_code_fingerprint() -> str:
     """The content hash of the code the train stage runs (the files dvc.yaml lists as its code deps)."""
     from tasks.common.stage_code import REPO_ROOT, stage_code_deps
 
-    digest = hashlib.sha256()
-    for path in stage_code_deps("train"):
-        digest.update(path.encode() + b"\0" + (REPO_ROOT / path).read_bytes() + b"\0")
-    return digest.hexdigest()
+    return hash_files((REPO_ROOT / path for path in stage_code_deps("train")), root=REPO_ROOT)
 
 
 @dataclass(frozen=True)
