@@ -90,10 +90,26 @@ def train_once(config: Path, overrides: list[str], directory: Path, run_id: str,
         summary, seconds = stage_in_process(code, config, [*overrides, f"output_dir={directory}", f"run_id={run_id}",
                                                            "tracking.enabled=false"])
     steps = json_lines(directory / "train" / "steps.jsonl")
-    tokens = sum(step["tokens"] for step in steps)
+    tokens = sum(step["tokens"] for step in steps) if all("tokens" in step for step in steps) else None
     shutil.rmtree(directory / "checkpoints", ignore_errors=True)  # the weights are not what is measured
-    return {"step_tokens_per_second": summary["tokens_per_second"], "stage_tokens_per_second": tokens / seconds,
+    return {"step_tokens_per_second": summary["tokens_per_second"], "tokens": tokens,
+            "stage_tokens_per_second": tokens / seconds if tokens is not None else None,
             "stage_seconds": seconds, "steps": summary["steps"], "precision": summary["precision"]}
+
+
+def credit_tokens(points: list[dict[str, Any]]) -> None:
+    """Stage rates for the points of one round whose code logged no per-step token counts (older revisions): they
+    trained the tokens the others did, the same features through the same batch plan with the same seed, which
+    their equal step count confirms."""
+    counted = [point for point in points if point["tokens"] is not None]
+    for point in points:
+        if point["tokens"] is not None:
+            continue
+        peers = [peer for peer in counted if peer["steps"] == point["steps"]]
+        if not peers:
+            raise SystemExit("a variant logged no per-step token counts and no other trained the same steps")
+        point["tokens"] = peers[0]["tokens"]
+        point["stage_tokens_per_second"] = point["tokens"] / point["stage_seconds"]
 
 
 def json_lines(path: Path) -> list[dict[str, Any]]:
@@ -117,13 +133,25 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.revision], check=True)
         variants.insert(0, (args.revision, variants[0][1]))
         codes = {name: REPO_ROOT for name, _ in variants} | {args.revision: worktree}
+    try:
+        measure(args, variants, codes, root)
+    finally:
+        if args.revision:
+            subprocess.run(["git", "worktree", "remove", "--force", str(codes[args.revision])], check=False)
+
+
+def measure(args: argparse.Namespace, variants: list[tuple[str, list[str]]], codes: dict[str, Optional[Path]],
+            root: Path) -> None:
+    """The rounds, the table and its JSON."""
     common = [f"training.max_steps={args.max_steps}", "training.resume_from=none",
               f"training.eval_interval={args.max_steps}", f"training.save_interval={args.max_steps}"]
     print(f"host: {host_compute().describe()}", flush=True)
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in variants}
     for round_index in range(args.rounds):
-        for name, overrides in variants:
-            point = train_once(args.config, [*common, *overrides], root / name, f"throughput-{name}", codes[name])
+        points = {name: train_once(args.config, [*common, *overrides], root / name, f"throughput-{name}", codes[name])
+                  for name, overrides in variants}
+        credit_tokens(list(points.values()))
+        for name, point in points.items():
             results[name].append(point)
             print(f"round {round_index + 1} {name:>10} ({point['precision']}): step {point['step_tokens_per_second']:.0f} "
                   f"tok/s, stage {point['stage_tokens_per_second']:.0f} tok/s ({point['stage_seconds']:.1f} s)", flush=True)
@@ -142,8 +170,6 @@ def main() -> None:
         table[name] = {"rounds": results[name], "step_ratio": step_ratio, "stage_ratio": stage_ratio}
     write_json(root / "train_throughput.json", {"host": host_compute().as_record(), "max_steps": args.max_steps,
                                                 "baseline": baseline, "revision": args.revision, "variants": table})
-    if args.revision:
-        subprocess.run(["git", "worktree", "remove", "--force", str(codes[args.revision])], check=False)
 
 
 if __name__ == "__main__":

@@ -12,16 +12,18 @@ is a softmax over the Vd draft logits, six times narrower than the log-sum-exp o
 the teacher's largest cost after the matmul. The full-vocabulary mass (whose share outside the draft vocabulary no
 draft token can earn) is computed where expected acceptance is reported (`outside_mass=True`, the evaluations).
 
-Without the outside mass, the draft tokens' probabilities come from the draft vocabulary's rows of the lm_head alone
-(Vd x H, a sixth of the full head), and the full-vocabulary pass only settles the target's top-1. The top-1 of a
-record never changes, so a trainer that has seen a record passes its top-1 back (`known_top1`) and later epochs
-skip the full-vocabulary pass altogether (tasks/features/batches.TopOneCache).
+The draft tokens' logits come from the draft vocabulary's rows of the lm_head alone (Vd x H, a sixth of the full
+head); the full-vocabulary pass only settles what never changes for a record's states (`Settled`): the target's
+top-1 and, with the outside mass, the log-sum-exp over the whole vocabulary. A trainer that has seen a record
+passes them back (`known`), so later epochs and later evaluations skip the full-vocabulary pass altogether
+(tasks/features/batches.SettledCache).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -31,6 +33,39 @@ from models.shape_buckets import pad_rows, shape_bucket
 ROWS_PER_CHUNK = 256
 #: bf16 candidates whose logits are recomputed in fp32 to pick the top-1 (bf16 rounding reorders near-ties only).
 TOP1_CANDIDATES = 4
+
+
+@dataclass
+class Settled:
+    """What the full-vocabulary pass settles about states, which never changes for them: the target's top-1 [N]
+    and, for a teacher with the outside mass, the log-sum-exp of the full-vocabulary logits [N] (fp32)."""
+
+    top1: torch.Tensor
+    log_normaliser: Optional[torch.Tensor] = None
+
+    def split(self, counts: Sequence[int]) -> list["Settled"]:
+        """Per record, for `counts` rows each (in order)."""
+        top1 = self.top1.split(list(counts))
+        normalisers = self.log_normaliser.split(list(counts)) if self.log_normaliser is not None else [None] * len(top1)
+        return [Settled(part, normaliser) for part, normaliser in zip(top1, normalisers)]
+
+    @staticmethod
+    def joined(parts: Sequence["Settled"]) -> "Settled":
+        """Records' settled values end to end (all with a log-normaliser, or none)."""
+        normalisers = [part.log_normaliser for part in parts]
+        joined = torch.cat(normalisers) if all(normaliser is not None for normaliser in normalisers) else None
+        return Settled(torch.cat([part.top1 for part in parts]), joined)
+
+
+@dataclass
+class Teaching:
+    """The teacher's answer for states [..., H]: probs float32 [..., Vd], top1 int64 [...], in_draft bool [...],
+    and what its full-vocabulary pass settled (flat, for a cache)."""
+
+    probs: torch.Tensor
+    top1: torch.Tensor
+    in_draft: torch.Tensor
+    settled: Settled
 
 
 class Teacher:
@@ -66,42 +101,49 @@ class Teacher:
         return int(self.draft_ids.numel())
 
     def __call__(self, hidden_state: torch.Tensor,
-                 known_top1: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For states [..., H]: probs float32 [..., Vd], top1 int64 [...], in_draft bool [...]. `known_top1` [...]:
-        the top-1 this teacher gave for these very states before (only without the outside mass: the full pass
-        that gives the top-1 gives the mass too)."""
-        if known_top1 is not None and self.outside_mass:
-            raise ValueError("known_top1 skips the full-vocabulary pass, which the outside mass needs")
+                 known: Optional[Settled] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(probs, top1, in_draft) of `teach`."""
+        teaching = self.teach(hidden_state, known)
+        return teaching.probs, teaching.top1, teaching.in_draft
+
+    def teach(self, hidden_state: torch.Tensor, known: Optional[Settled] = None) -> Teaching:
+        """The teaching for states [..., H]. `known`: what this teacher settled for these very states before (flat);
+        with it the full-vocabulary pass is skipped."""
+        if known is not None and self.outside_mass and known.log_normaliser is None:
+            raise ValueError("the known values lack the log-normaliser, which the outside mass needs")
         leading = hidden_state.shape[:-1]
         count = leading.numel()
         rows = pad_rows(hidden_state.reshape(count, hidden_state.shape[-1]).to(self.device), shape_bucket(self.dtype))
         probs = torch.empty(rows.shape[0], self.draft_vocab_size, dtype=torch.float32, device=self.device)
-        top1 = torch.empty(rows.shape[0], dtype=torch.int64, device=self.device)
+        top1 = torch.zeros(rows.shape[0], dtype=torch.int64, device=self.device)
+        log_normaliser = torch.zeros(rows.shape[0], dtype=torch.float32, device=self.device)
+        if known is not None:
+            top1[:count] = known.top1.reshape(count)
+            if self.outside_mass:
+                log_normaliser[:count] = known.log_normaliser.reshape(count)
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             for start in range(0, rows.shape[0], self.rows_per_chunk):
                 chunk = slice(start, start + self.rows_per_chunk)
+                cast = rows[chunk].to(self.dtype)  # once per chunk: the draft logits and the full pass share it
+                draft_logits = (cast @ self.draft_weight.T).float()
+                if known is None:
+                    top1[chunk], log_normaliser[chunk] = self.full_pass(rows[chunk], cast)
                 if self.outside_mass:
-                    probs[chunk], top1[chunk] = self.chunk_with_outside_mass(rows[chunk])
-                    continue
-                cast = rows[chunk].to(self.dtype)  # once per chunk: the draft softmax and the top-1 pass share it
-                probs[chunk] = self.draft_softmax(cast)
-                if known_top1 is None:
-                    top1[chunk] = self.top1(rows[chunk], cast @ self.weight.T)
-        probs = probs[:count]
-        top1 = top1[:count] if known_top1 is None else known_top1.reshape(count).to(self.device)
-        return probs.reshape(*leading, -1), top1.reshape(leading), self.t2d[top1].reshape(leading)
+                    probs[chunk] = torch.exp(draft_logits - log_normaliser[chunk].unsqueeze(-1))
+                else:
+                    probs[chunk] = torch.softmax(draft_logits, dim=-1)
+        top1 = top1[:count]
+        settled = Settled(top1, log_normaliser[:count] if self.outside_mass else None)
+        return Teaching(probs[:count].reshape(*leading, -1), top1.reshape(leading), self.t2d[top1].reshape(leading),
+                        settled)
 
-    def draft_softmax(self, cast_rows: torch.Tensor) -> torch.Tensor:
-        """The target's distribution renormalised over the draft vocabulary, from the draft vocab's rows alone
-        (`cast_rows`: states already in the teacher's dtype)."""
-        return torch.softmax((cast_rows @ self.draft_weight.T).float(), dim=-1)
-
-    def chunk_with_outside_mass(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft-token probabilities over the full vocabulary, top-1) of one chunk of rows."""
-        logits = rows.to(self.dtype) @ self.weight.T
-        draft_logits = logits.index_select(-1, self.draft_ids).float()
-        log_normaliser = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
-        return torch.exp(draft_logits - log_normaliser), self.top1(rows, logits)
+    def full_pass(self, rows: torch.Tensor, cast_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-1, log-sum-exp over the full vocabulary) of one chunk; the log-sum-exp only with the outside mass
+        (zeros without: the draft softmax does not need it)."""
+        logits = cast_rows @ self.weight.T
+        if not self.outside_mass:
+            return self.top1(rows, logits), torch.zeros(rows.shape[0], device=rows.device)
+        return self.top1(rows, logits), torch.logsumexp(logits.float(), dim=-1)
 
     def top1(self, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The argmax; in a lower precision, the best of the top candidates rescored in fp32."""

@@ -53,7 +53,7 @@ from models.vocab_mapping import load_vocab_mapping
 from tasks.common.artifacts import atomic_file, read_json, write_json
 from tasks.common.devices import autocast, compute_dtype, resolve_device
 from tasks.common.host_compute import host_compute
-from tasks.features.batches import TopOneCache, collate
+from tasks.features.batches import SettledCache, collate
 from tasks.features.engine_states import EngineStates, online_capture_engine
 from tasks.features.shards import FeatureSet, check_manifest
 from tasks.training.checkpoint import (TrainerState, load_checkpoint, math_fields, prune_checkpoints, record_best,
@@ -219,9 +219,11 @@ class Loop:
     state: TrainerState
     tracker: Any = None
     history: list[dict[str, float]] = field(default_factory=list)
-    # offline: the target's top-1 per record from its first epoch (stored states give the same top-1 every time;
-    # an engine's online states may not, so online runs settle it each time)
-    top1_cache: Optional[TopOneCache] = None
+    # offline: what the teacher's full-vocabulary pass settled per record the first time it saw it, for the train
+    # records and the eval records (stored states give the same values every time; an engine's online states may
+    # not, so online runs settle them each time)
+    train_cache: Optional[SettledCache] = None
+    eval_cache: Optional[SettledCache] = None
 
 
 def train(cfg: RunConfig) -> TrainResult:
@@ -274,7 +276,8 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     teacher = Teacher(heads.lm_head, draft.t2d, dtype, outside_mass=False)  # training steps; evaluate() adds the mass
     loop = Loop(cfg, env, draft, full_draft, module, optimizer, scheduler, train_set, eval_set, heads, teacher, manifest,
                 dtype, lengths, record_ids, total_steps, math_now, state)
-    loop.top1_cache = TopOneCache() if cfg.training.mode == "offline" else None
+    if cfg.training.mode == "offline":
+        loop.train_cache, loop.eval_cache = SettledCache(), SettledCache()
     with training_tracker(cfg, env) as tracker:
         loop.tracker = tracker
         if tracker is not None:
@@ -398,7 +401,7 @@ def micro_batch(loop: Loop, global_batch: list[int]) -> tuple[TTTBatch, list[dic
     mine = rank_share(global_batch, env.rank, env.world_size)
     keys = mine or global_batch[:1]
     records = loop.train_set.records(keys)
-    batch = collate(records, loop.teacher, keys=keys, cache=loop.top1_cache)
+    batch = collate(records, loop.teacher, keys=keys, cache=loop.train_cache)
     if not mine:
         batch.loss_mask.zero_()
         records = []
@@ -501,18 +504,19 @@ def evaluate(loop: Loop) -> dict[str, float]:
     if not loop.env.is_main:
         return {}
     return evaluate_features(draft, loop.eval_set, loop.teacher.with_outside_mass(True), loop.cfg.training.ttt_length,
-                             loop.cfg.training.attention_backend)
+                             loop.cfg.training.attention_backend, loop.eval_cache)
 
 
 def evaluate_features(draft: Eagle3Draft, features: Any, teacher: Teacher, steps: int,
-                      attention_backend: str = "sdpa") -> dict[str, float]:
+                      attention_backend: str = "sdpa", cache: Optional[SettledCache] = None) -> dict[str, float]:
     """acc_k, expected acceptance and ploss per depth over every record, weighted by supervised positions,
-    and the simulated accept length of a chain of `steps` (in the teacher's compute dtype)."""
+    and the simulated accept length of a chain of `steps` (in the teacher's compute dtype). `cache`: the
+    teacher's settled values of these records by position, kept from one evaluation to the next."""
     correct, counts, accepted = [0.0] * steps, [0.0] * steps, [0.0] * steps
     ploss = [0.0] * steps
     with torch.no_grad(), autocast(teacher.device, teacher.dtype), evaluation_mode(draft):
-        for record in features:
-            output = ttt_forward(draft, collate([record], teacher), steps,
+        for position, record in enumerate(features):
+            output = ttt_forward(draft, collate([record], teacher, keys=[position], cache=cache), steps,
                                  attention_backend=attention_backend)
             for step in range(steps):
                 counts[step] += output.supervised[step]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.teacher import TOP1_CANDIDATES, Teacher
+from models.teacher import TOP1_CANDIDATES, Settled, Teacher
 from models.ttt import renormalised
 
 VOCAB, HIDDEN, DRAFT_VOCAB = 4096, 64, 1024
@@ -100,28 +100,42 @@ def test_the_teacher_ignores_an_enclosing_autocast() -> None:
     torch.testing.assert_close(inside[0], outside[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("outside_mass", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_known_top1_skips_the_full_vocabulary_pass_and_changes_nothing(dtype: torch.dtype,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Later epochs pass the top-1 the teacher gave before: the same teaching, without the full-vocabulary pass."""
+def test_known_settled_values_skip_the_full_vocabulary_pass_and_change_nothing(
+        dtype: torch.dtype, outside_mass: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Later epochs and evaluations pass back what the teacher settled before: the same teaching, without the
+    full-vocabulary pass."""
     hidden, lm_head, t2d = lm_inputs(6)
-    teacher = Teacher(lm_head, t2d, dtype, rows_per_chunk=16, outside_mass=False)
-    first = teacher(hidden)
+    teacher = Teacher(lm_head, t2d, dtype, rows_per_chunk=16, outside_mass=outside_mass)
+    first = teacher.teach(hidden)
+    assert (first.settled.log_normaliser is not None) == outside_mass
+    assert first.settled.top1.shape == (2 * 37,)
 
     def no_full_pass(*_: object) -> torch.Tensor:
-        raise AssertionError("the full-vocabulary top-1 pass ran although the top-1 was known")
+        raise AssertionError("the full-vocabulary pass ran although its values were known")
 
-    monkeypatch.setattr(teacher, "top1", no_full_pass)
-    again = teacher(hidden, known_top1=first[1])
-    for before, after in zip(first, again):
-        assert torch.equal(before, after)
-    with pytest.raises(ValueError, match="outside mass"):
-        teacher.with_outside_mass(True)(hidden, known_top1=first[1])
+    monkeypatch.setattr(teacher, "full_pass", no_full_pass)
+    again = teacher.teach(hidden, first.settled)
+    for name in ("probs", "top1", "in_draft"):
+        assert torch.equal(getattr(first, name), getattr(again, name)), name
+    if not outside_mass:
+        with pytest.raises(ValueError, match="log-normaliser"):
+            teacher.with_outside_mass(True).teach(hidden, first.settled)
 
 
-def test_collate_with_a_top1_cache_gives_the_same_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The trainer's TopOneCache: a record's second batch reuses its top-1 and equals a batch built without it."""
-    from tasks.features.batches import TopOneCache, collate
+def test_settled_values_split_per_record_and_join_back() -> None:
+    hidden, lm_head, t2d = lm_inputs(8)
+    settled = Teacher(lm_head, t2d).teach(hidden).settled
+    parts = settled.split([30, 44])
+    assert [part.top1.shape[0] for part in parts] == [30, 44]
+    joined = Settled.joined(parts)
+    assert torch.equal(joined.top1, settled.top1) and torch.equal(joined.log_normaliser, settled.log_normaliser)
+
+
+def test_collate_with_a_settled_cache_gives_the_same_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's SettledCache: a record's second batch reuses its top-1 and equals a batch built without it."""
+    from tasks.features.batches import SettledCache, collate
 
     hidden, lm_head, t2d = lm_inputs(7)
     generator = torch.Generator().manual_seed(7)
@@ -130,11 +144,11 @@ def test_collate_with_a_top1_cache_gives_the_same_batch(monkeypatch: pytest.Monk
                 "hidden_state": hidden[0, :length], "aux_hidden_state": torch.randn(length, 3 * HIDDEN)}
                for length in (37, 20)]
     teacher = Teacher(lm_head, t2d, outside_mass=False)
-    cache = TopOneCache()
+    cache = SettledCache()
     plain = collate(records, teacher)
     first = collate(records, teacher, keys=[4, 9], cache=cache)
-    assert sorted(cache.top1) == [4, 9] and cache.top1[9].shape == (20,)
-    monkeypatch.setattr(teacher, "top1", lambda *_: pytest.fail("the cached top-1 was not used"))
+    assert sorted(cache.settled) == [4, 9] and cache.settled[9].top1.shape == (20,)
+    monkeypatch.setattr(teacher, "full_pass", lambda *_: pytest.fail("the cached top-1 was not used"))
     second = collate(records, teacher, keys=[4, 9], cache=cache)
     for name in ("target_probs", "target_top1", "target_top1_in_draft", "input_ids", "aux_hidden_state"):
         assert torch.equal(getattr(plain, name), getattr(first, name)), name

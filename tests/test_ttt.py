@@ -268,3 +268,25 @@ def test_eval_metrics_pool_every_supervised_position_of_every_record() -> None:
         assert metrics[f"expected_accept_{step}"] == pytest.approx(pooled.expected_accept[step], rel=1e-5)
     assert metrics["simulated_accept_len"] == pytest.approx(pooled.simulated_accept_len)
     assert 0.0 < pooled.expected_accept[0] < 1.0
+
+
+def test_eval_with_a_settled_cache_equals_eval_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's evaluations keep what the teacher settled per eval record (top-1, full-vocabulary
+    log-sum-exp): the second evaluation skips the full-vocabulary pass and reports the same metrics."""
+    from tasks.features.batches import SettledCache
+    from tasks.train import evaluate_features
+
+    draft, generator = tiny_draft(), torch.Generator().manual_seed(5)
+    lm_head = torch.randn(TINY.vocab_size, TINY.target_hidden_size, generator=generator) * 3
+    records = [{"input_ids": torch.randint(0, TINY.vocab_size, (length,), generator=generator),
+                "loss_mask": torch.ones(length, dtype=torch.long),
+                "aux_hidden_state": torch.randn(length, 3 * TINY.target_hidden_size, generator=generator),
+                "hidden_state": torch.randn(length, TINY.target_hidden_size, generator=generator)}
+               for length in (11, 6, 17)]
+    teacher, cache = Teacher(lm_head, draft.t2d), SettledCache()
+    plain = evaluate_features(draft, records, teacher, steps=2)
+    first = evaluate_features(draft, records, teacher, steps=2, cache=cache)
+    assert sorted(cache.settled) == [0, 1, 2] and cache.settled[2].log_normaliser.shape == (17,)
+    monkeypatch.setattr(teacher, "full_pass", lambda *_: pytest.fail("the settled values were not reused"))
+    second = evaluate_features(draft, records, teacher, steps=2, cache=cache)
+    assert plain == first == second

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from models.shape_buckets import bucketed, shape_bucket
-from models.teacher import Teacher
+from models.teacher import Settled, Teacher
 from models.ttt import TTTBatch
 from tasks.features.shards import dense_teacher, dequantise_aux
 
@@ -19,42 +19,45 @@ from tasks.features.shards import dense_teacher, dequantise_aux
 Teaching = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class TopOneCache:
-    """The target's top-1 of each training record, by the record's index, from the first time the teacher saw it:
-    a record's top-1 never changes, and settling it is the teacher's full-vocabulary pass (49,152 columns for
-    SmolLM2 against the draft vocabulary's 8,192), so later epochs skip that pass. 8 bytes per token."""
+class SettledCache:
+    """What the teacher's full-vocabulary pass settled for each record (models/teacher.Settled), by the record's
+    index, from the first time the teacher saw it: stored states give the same top-1 and log-sum-exp every time,
+    and that pass is the teacher's largest (49,152 columns for SmolLM2 against the draft vocabulary's 8,192), so
+    later epochs and later evaluations skip it. 8 bytes per token, 12 with the log-normaliser. One cache per
+    teacher mode and record set (the training records with one teacher, the eval records with another)."""
 
     def __init__(self) -> None:
-        self.top1: dict[int, torch.Tensor] = {}
+        self.settled: dict[int, Settled] = {}
 
-    def known(self, keys: Sequence[int]) -> Optional[torch.Tensor]:
-        """The records' top-1s end to end, or None unless every one of them is known."""
-        if not keys or any(key not in self.top1 for key in keys):
+    def known(self, keys: Sequence[int]) -> Optional[Settled]:
+        """The records' settled values end to end, or None unless every one of them is known."""
+        if not keys or any(key not in self.settled for key in keys):
             return None
-        return torch.cat([self.top1[key] for key in keys])
+        return Settled.joined([self.settled[key] for key in keys])
 
-    def remember(self, keys: Sequence[int], top1: Sequence[torch.Tensor]) -> None:
-        for key, values in zip(keys, top1):
-            self.top1[key] = values
+    def remember(self, keys: Sequence[int], settled: Sequence[Settled]) -> None:
+        for key, values in zip(keys, settled):
+            self.settled[key] = values
 
 
 def record_teachers(records: Sequence[Mapping[str, Any]], teacher: Teacher, keys: Optional[Sequence[int]] = None,
-                    cache: Optional[TopOneCache] = None) -> list[Teaching]:
+                    cache: Optional[SettledCache] = None) -> list[Teaching]:
     """(target probs of the draft tokens, full-vocab top-1, top-1 in draft vocab) of each record. Lossless records'
     final states go through the teacher in one call (full chunks of rows, one padding to a shape bucket) and give
-    what the teacher gives (with `cache` and the records' `keys`, the top-1s it gave before); compact records stored
-    their top-K renormalised over the draft vocab, so theirs sum to 1 and their expected acceptance reads as if the
-    target kept no mass outside the draft vocab."""
+    what the teacher gives (with `cache` and the records' `keys`, from what it settled before); compact records
+    stored their top-K renormalised over the draft vocab, so theirs sum to 1 and their expected acceptance reads as
+    if the target kept no mass outside the draft vocab."""
     lossless = [index for index, record in enumerate(records) if "hidden_state" in record]
     teachings: dict[int, Teaching] = {}
     if lossless:
         counts = [len(records[index]["hidden_state"]) for index in lossless]
         lossless_keys = [keys[index] for index in lossless] if keys is not None and cache is not None else []
         known = cache.known(lossless_keys) if lossless_keys else None
-        probs, top1, in_draft = teacher(torch.cat([records[index]["hidden_state"] for index in lossless]), known)
+        taught = teacher.teach(torch.cat([records[index]["hidden_state"] for index in lossless]), known)
         if lossless_keys and known is None:
-            cache.remember(lossless_keys, top1.split(counts))
-        for index, *parts in zip(lossless, probs.split(counts), top1.split(counts), in_draft.split(counts)):
+            cache.remember(lossless_keys, taught.settled.split(counts))
+        for index, *parts in zip(lossless, taught.probs.split(counts), taught.top1.split(counts),
+                                 taught.in_draft.split(counts)):
             teachings[index] = tuple(parts)
     for index, record in enumerate(records):
         if index not in teachings:
@@ -70,7 +73,7 @@ def compact_teacher(record: Mapping[str, Any], teacher: Teacher) -> Teaching:
 
 
 def collate(records: Sequence[Mapping[str, Any]], teacher: Teacher, pad_token_id: int = 0,
-            keys: Optional[Sequence[int]] = None, cache: Optional[TopOneCache] = None) -> TTTBatch:
+            keys: Optional[Sequence[int]] = None, cache: Optional[SettledCache] = None) -> TTTBatch:
     """Right-pad records to the longest, rounded up to a shape bucket (models/shape_buckets.py: a batch of a length
     seen before reuses its bf16 kernels); padding is never supervised. The batch lives where the teacher's lm_head
     is (the teacher is computed there); its aux states are in the teacher's compute dtype, the one the draft's fc
