@@ -94,7 +94,7 @@ def train_once(config: Path, overrides: list[str], directory: Path, run_id: str,
     shutil.rmtree(directory / "checkpoints", ignore_errors=True)  # the weights are not what is measured
     return {"step_tokens_per_second": summary["tokens_per_second"], "tokens": tokens,
             "stage_tokens_per_second": tokens / seconds if tokens is not None else None,
-            "stage_seconds": seconds, "steps": summary["steps"], "precision": summary["precision"]}
+            "stage_seconds": seconds, "steps": summary["steps"], "precision": summary.get("precision", "unrecorded")}
 
 
 def credit_tokens(points: list[dict[str, Any]]) -> None:
