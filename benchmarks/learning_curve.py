@@ -26,7 +26,7 @@ from typing import Any
 
 from contract.config_loading import load_config
 from contract.records import read_prompt_records
-from subruns import POINT_FILE, link_run_inputs, log_points, measure_point, subrun_config
+from subruns import POINT_FILE, describe_tau, link_run_inputs, log_points, measure_point, subrun_config
 from tasks.common.artifacts import save_figure, write_json
 
 
@@ -39,7 +39,11 @@ def plot_curve(points: list[dict[str, Any]], path: Path) -> Path:
 
     tokens = [point["supervised_tokens"] for point in points]
     figure, (tau, depth) = plt.subplots(1, 2, figsize=(10, 4))
-    tau.plot(tokens, [point["chain_mean_accept_length"] for point in points], "-o")
+    taus = [point["chain_mean_accept_length"] for point in points]
+    tau.errorbar(tokens, taus, yerr=[[value - point["chain_mean_accept_length_interval"][0] for value, point in
+                                      zip(taus, points)],
+                                     [point["chain_mean_accept_length_interval"][1] - value for value, point in
+                                      zip(taus, points)]], fmt="-o", capsize=4)
     tau.set(xscale="log", xlabel="supervised training tokens", ylabel="chain mean accept length (tau)",
             title="held-out accept length")
     for index in range(len(points[0]["chain_acceptance_by_depth"])):
@@ -75,7 +79,7 @@ def main() -> None:
         point = measure_point(cfg, {"fraction": fraction, "train_records": count})
         points.append(point)
         print(f"f={fraction:<6g} records {count:>5}  supervised tokens {point['supervised_tokens']:>7}  "
-              f"tau {point['chain_mean_accept_length']:.3f}  by depth "
+              f"tau {describe_tau(point)}  by depth "
               f"{[round(rate, 3) for rate in point['chain_acceptance_by_depth']]}", flush=True)
     json_path = curve_dir / "learning_curve.json"
     write_json(json_path, {"config": str(args.config), "overrides": args.overrides, "seed": args.seed,

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from contract.config_loading import load_config
-from subruns import POINT_FILE, link_run_features, link_run_inputs, log_points, measure_point, subrun_config
+from subruns import (POINT_FILE, describe_tau, link_run_features, link_run_inputs, log_points, measure_point,
+                     paired_against, subrun_config)
 from tasks.common.artifacts import save_figure, write_json
 
 RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -54,7 +55,11 @@ def plot_recipes(points: list[dict[str, Any]], path: Path) -> Path:
 
     names = [point["recipe"] for point in points]
     figure, (tau, first) = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(names) + 4), 4))
-    tau.bar(names, [point["chain_mean_accept_length"] for point in points])
+    taus = [point["chain_mean_accept_length"] for point in points]
+    tau.bar(names, taus, yerr=[[value - point["chain_mean_accept_length_interval"][0] for value, point in
+                                zip(taus, points)],
+                               [point["chain_mean_accept_length_interval"][1] - value for value, point in
+                                zip(taus, points)]], capsize=4)
     tau.set(ylabel="chain mean accept length (tau)", title="held-out accept length",
             ylim=(1.0, max(1.05, max(point["chain_mean_accept_length"] for point in points) * 1.02)))
     first.bar(names, [point["chain_acceptance_by_depth"][0] for point in points])
@@ -89,14 +94,17 @@ def main() -> None:
             link_run_features(run_dir, directory)
         point = measure_point(cfg, {"recipe": name, "overrides": overrides})
         points.append(point)
-        print(f"{name:<14} tau {point['chain_mean_accept_length']:.3f}  by depth "
+        versus = f"  vs {points[0]['recipe']} {paired_against(point, points[0]).describe()} (paired)" \
+            if len(points) > 1 else ""
+        print(f"{name:<14} tau {describe_tau(point)}{versus}  by depth "
               f"{[round(rate, 3) for rate in point['chain_acceptance_by_depth']]}  "
               f"train {point['train_seconds']:.0f}s  predicted speedup {point['predicted_speedup_by_k']}",
               flush=True)
     json_path = sweep_dir / "recipe_sweep.json"
     best = max(points, key=lambda point: point["chain_mean_accept_length"])
+    differences = {point["recipe"]: paired_against(point, points[0]).as_json() for point in points[1:]}
     write_json(json_path, {"config": str(args.config), "overrides": args.overrides, "best": best["recipe"],
-                           "points": points})
+                           "paired_against_first": differences, "points": points})
     png_path = plot_recipes(points, sweep_dir / "recipe_sweep.png")
     if run_cfg.tracking.enabled:
         log_points(run_cfg, "recipe-sweep", points, [json_path, png_path])

@@ -10,6 +10,7 @@ point measures exactly what `eaglet run` would produce with that data and recipe
 from __future__ import annotations
 
 import time
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -17,6 +18,7 @@ from contract.config import RunConfig
 from contract.config_loading import load_config
 from tasks import capture, evaluate, train
 from tasks.common.artifacts import link_or_copy, read_json, write_json, write_jsonl
+from tasks.common.intervals import Interval, PromptRounds, paired_difference, prompt_rounds
 from tasks.serving.speedup_model import predicted_speedup
 
 POINT_FILE = "point.json"
@@ -70,6 +72,11 @@ def measure_point(cfg: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
         "optimizer_steps": summary["steps"],
         "train_seconds": train_seconds,
         "chain_mean_accept_length": chain["mean_accept_length"],
+        "chain_mean_accept_length_interval": [chain["mean_accept_length_interval"]["low"],
+                                              chain["mean_accept_length_interval"]["high"]],
+        "chain_prompt_rounds": {item["prompt"]: list(astuple(prompt_rounds(item["rounds"],
+                                                                          item["accepted_per_position"])))
+                                for item in chain["per_prompt"]},
         "chain_acceptance_by_depth": chain["acceptance_by_depth"],
         "predicted_speedup_by_k": {str(k): predicted_speedup(report, k)
                                    for k in range(1, len(chain["acceptance_by_depth"]) + 1)},
@@ -80,11 +87,26 @@ def measure_point(cfg: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
     return point
 
 
+def describe_tau(point: dict[str, Any]) -> str:
+    """`1.242 [1.208-1.278]`: the point's held-out τ and its 95 % bootstrap interval over prompts."""
+    low, high = point["chain_mean_accept_length_interval"]
+    return f"{point['chain_mean_accept_length']:.3f} [{low:.3f}-{high:.3f}]"
+
+
+def paired_against(point: dict[str, Any], baseline: dict[str, Any]) -> Interval:
+    """τ(point) − τ(baseline) on the prompts both evaluated, with its paired bootstrap interval."""
+    shared = [key for key in baseline["chain_prompt_rounds"] if key in point["chain_prompt_rounds"]]
+    return paired_difference([PromptRounds(*point["chain_prompt_rounds"][key]) for key in shared],
+                             [PromptRounds(*baseline["chain_prompt_rounds"][key]) for key in shared])
+
+
 def point_metrics(point: dict[str, Any]) -> dict[str, float]:
     """One point as MLflow metrics."""
     metrics = {"supervised_tokens": float(point["supervised_tokens"]),
                "train_seconds": float(point["train_seconds"]),
                "chain_mean_accept_length": float(point["chain_mean_accept_length"]),
+               "chain_mean_accept_length_low": float(point["chain_mean_accept_length_interval"][0]),
+               "chain_mean_accept_length_high": float(point["chain_mean_accept_length_interval"][1]),
                "eval_simulated_accept_len": float(point["eval_simulated_accept_len"])}
     for depth, rate in enumerate(point["chain_acceptance_by_depth"]):
         metrics[f"chain_acceptance_depth{depth + 1}"] = float(rate)

@@ -39,8 +39,22 @@ class PromptAcceptance(Report):
 
 
 class Bucket(Report):
+    """The prompts of one source, category, length or turn: pooled τ and its 95 % bootstrap interval over them."""
+
     rounds: int
     mean_accept_length: float
+    prompts: int
+    low: float
+    high: float
+
+
+class TauInterval(Report):
+    """A mode's pooled τ: the 95 % percentile-bootstrap interval over prompts (tasks/common/intervals.py)."""
+
+    low: float
+    high: float
+    prompts: int
+    level: float = 0.95
 
 
 class ModeAcceptance(Report):
@@ -51,6 +65,7 @@ class ModeAcceptance(Report):
     num_draft_tokens: int
     rounds: int = Field(ge=0)
     mean_accept_length: float
+    mean_accept_length_interval: TauInterval
     acceptance_by_depth: list[float]
     accept_length_histogram: dict[str, int]
     accepted_per_position: list[float]

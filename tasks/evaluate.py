@@ -23,6 +23,7 @@ benchmark's engine agreement checks compare with; buckets by source, category an
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 from contract.config import RunConfig
 from contract.reports import AcceptanceReport, ModeAcceptance
 from tasks.common.artifacts import read_json, save_figure, write_json
+from tasks.common.intervals import PromptRounds, tau_interval
 from tasks.common.progress import advance, progress_bar
 from tasks.common.target_info import load_target_model, load_tokenizer
 from tasks.data.held_out import EvalPrompt, eval_prompts
@@ -63,7 +65,8 @@ class ModeTotals:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     wall_seconds: float = 0.0
-    buckets: dict[str, list[int]] = field(default_factory=dict)
+    buckets: dict[str, list[PromptRounds]] = field(default_factory=dict)
+    prompts: list[PromptRounds] = field(default_factory=list)
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, prompt: EvalPrompt, stats: Any, seconds: float) -> None:
@@ -74,12 +77,14 @@ class ModeTotals:
         self.draft_seconds += stats.draft_seconds
         self.verify_seconds += stats.verify_seconds
         self.wall_seconds += seconds
-        self.per_prompt.append({"prompt": prompt.key, "rounds": stats.rounds,
-                                "accepted_per_position": accepted_counts(stats.accept_lengths, self.mode.steps),
+        accepted = accepted_counts(stats.accept_lengths, self.mode.steps)
+        self.per_prompt.append({"prompt": prompt.key, "rounds": stats.rounds, "accepted_per_position": accepted,
                                 "generated_tokens": stats.generated_tokens})
+        rounds = PromptRounds(float(sum(stats.accept_lengths)), float(len(stats.accept_lengths)))
+        self.prompts.append(rounds)
         for bucket in (f"source={prompt.source}", f"category={prompt.category}",
                        f"prompt_tokens{prompt.length_bucket}", f"turn={prompt.turn}"):
-            self.buckets.setdefault(bucket, []).extend(stats.accept_lengths)
+            self.buckets.setdefault(bucket, []).append(rounds)
 
     def report(self, target_tokens_per_second: float) -> ModeAcceptance:
         """The mode's section of the report; its speed against the target alone at `target_tokens_per_second`."""
@@ -88,9 +93,11 @@ class ModeTotals:
         by_depth = [count / rounds if rounds else 0.0 for count in accepted_counts(self.accept_lengths, self.mode.steps)]
         busy = self.draft_seconds + self.verify_seconds
         tokens_per_second = self.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
+        interval = tau_interval(self.prompts)
         return ModeAcceptance.model_validate({
             "steps": self.mode.steps, "topk": self.mode.topk, "num_draft_tokens": self.mode.num_draft_tokens,
             "rounds": rounds, "mean_accept_length": mean(self.accept_lengths),
+            "mean_accept_length_interval": {"low": interval.low, "high": interval.high, "prompts": interval.prompts},
             "acceptance_by_depth": by_depth, "accept_length_histogram": histogram,
             "accepted_per_position": accepted_counts(self.accept_lengths, self.mode.steps),
             "per_prompt": self.per_prompt,
@@ -100,10 +107,16 @@ class ModeTotals:
             "draft_time_share": self.draft_seconds / busy if busy else 0.0,
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
             "tokens_per_second": tokens_per_second,
-            "buckets": {name: {"rounds": len(values), "mean_accept_length": mean(values)}
-                        for name, values in sorted(self.buckets.items())},
+            "buckets": {name: bucket_report(values) for name, values in sorted(self.buckets.items())},
             "speedup_vs_target": tokens_per_second / target_tokens_per_second if target_tokens_per_second else 0.0,
         })
+
+
+def bucket_report(prompts: list[PromptRounds]) -> dict[str, Any]:
+    """A bucket's pooled τ over its prompts' rounds, with its bootstrap interval over those prompts."""
+    interval = tau_interval(prompts)
+    return {"rounds": int(sum(prompt.rounds for prompt in prompts)), "mean_accept_length": interval.estimate,
+            "prompts": interval.prompts, "low": interval.low, "high": interval.high}
 
 
 def accepted_counts(accept_lengths: list[int], steps: int) -> list[int]:
@@ -131,6 +144,10 @@ class EvaluationResult:
             if not mode:
                 continue
             numbers[f"{name}_mean_accept_length"] = mode["mean_accept_length"]
+            numbers[f"{name}_mean_accept_length_low"] = mode["mean_accept_length_interval"]["low"]
+            numbers[f"{name}_mean_accept_length_high"] = mode["mean_accept_length_interval"]["high"]
+            for bucket, values in suite_buckets(mode).items():
+                numbers[f"{name}_mean_accept_length.{metric_name(bucket)}"] = values["mean_accept_length"]
             numbers[f"{name}_tokens_per_target_forward"] = mode["tokens_per_target_forward"]
             numbers[f"{name}_tokens_per_second"] = mode["tokens_per_second"]
             for depth, rate in enumerate(mode["acceptance_by_depth"], start=1):
@@ -139,6 +156,20 @@ class EvaluationResult:
 
     def reports(self) -> list[Path]:
         return [self.report_path, *self.plots]
+
+
+def suite_buckets(mode: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The mode's source (suite) buckets, then its category buckets: the ones a user picks a drafter by."""
+    chosen = {}
+    for kind in ("source=", "category="):
+        chosen.update({name: values for name, values in mode["buckets"].items()
+                       if name.startswith(kind) and name != "category=-"})
+    return chosen
+
+
+def metric_name(bucket: str) -> str:
+    """`category=writing` as an MLflow metric name part (letters, digits, _ - . / only): `category.writing`."""
+    return re.sub(r"[^A-Za-z0-9_./-]", "_", bucket.replace("=", "."))
 
 
 def decode_modes(cfg: RunConfig) -> list[DecodeMode]:
@@ -262,4 +293,25 @@ def plot_acceptance(report: dict[str, Any], directory: Path) -> list[Path]:
     axis.set_ylabel("rounds")
     axis.legend()
     paths.append(save_figure(figure, directory / "accept_length_histogram.png"))
+    paths.append(plot_suites(report["chain"], directory / "acceptance_by_suite.png"))
     return paths
+
+
+def plot_suites(chain: dict[str, Any], path: Path) -> Path:
+    """The chain's τ over all prompts, per source and per category, each with its 95 % bootstrap interval."""
+    import matplotlib.pyplot as plt
+
+    rows = [("all", chain["mean_accept_length"], chain["mean_accept_length_interval"]["low"],
+             chain["mean_accept_length_interval"]["high"], chain["mean_accept_length_interval"]["prompts"])]
+    rows += [(name, values["mean_accept_length"], values["low"], values["high"], values["prompts"])
+             for name, values in suite_buckets(chain).items()]
+    figure, axis = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))
+    positions = list(range(len(rows)))[::-1]
+    estimates = [row[1] for row in rows]
+    axis.errorbar(estimates, positions, xerr=[[row[1] - row[2] for row in rows], [row[3] - row[1] for row in rows]],
+                  fmt="o", capsize=3)
+    axis.set_yticks(positions)
+    axis.set_yticklabels([f"{row[0]} ({row[4]})" for row in rows])
+    axis.set_xlabel(f"tau, chain of {chain['steps']} (95 % bootstrap interval over prompts)")
+    axis.set_title("Acceptance length per suite and category (prompts)")
+    return save_figure(figure, path)

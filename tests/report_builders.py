@@ -15,9 +15,10 @@ def mode_acceptance(steps: int = 3, rounds: int = 10, accepted: Optional[list[fl
     """One mode of evaluate/acceptance.json: `rounds` rounds accepting `accepted` at each position."""
     accepted = list(accepted if accepted is not None else [rounds / 2] * steps)
     generated = 1 + rounds + int(sum(accepted))
+    tau = 1 + sum(accepted) / rounds if rounds else 0.0
     mode = {
         "steps": steps, "topk": 1, "num_draft_tokens": steps + 1, "rounds": rounds,
-        "mean_accept_length": 1 + sum(accepted) / rounds if rounds else 0.0,
+        "mean_accept_length": tau, "mean_accept_length_interval": {"low": tau, "high": tau, "prompts": 1},
         "acceptance_by_depth": [count / rounds if rounds else 0.0 for count in accepted],
         "accept_length_histogram": {str(length): 0 for length in range(1, steps + 2)},
         "accepted_per_position": accepted,
