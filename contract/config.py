@@ -223,6 +223,15 @@ class ValidationConfig(Section):
         description="regex over a record's original id whose group 'conversation' names its conversation "
         "(the default drops ShareGPT's '_<n>' part suffix)",
     )
+    decontamination_ngram: int = Field(
+        default=13, ge=1, description="words per n-gram when held-out prompts are compared with the training "
+        "records (tasks/data/contamination.py; 13 as in GPT-3's contamination study)")
+    max_prompt_overlap: float = Field(
+        default=0.5, gt=0.0, le=1.0, description="a held-out prompt sharing this share of its n-grams or more with "
+        "the training records counts as contaminated")
+    max_contaminated_share: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="the share of held-out prompts that may be contaminated; above it "
+        "the data contract fails (the prompts are named in reports/data_contract.json)")
     cut_turns: Literal["no_end", "as_finished", "drop"] = Field(
         default="no_end",
         description="an assistant turn regeneration stopped at max_new_tokens (finish reason 'length'): no_end "

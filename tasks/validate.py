@@ -7,7 +7,8 @@ Each input line becomes one row of derived columns (expectations/record_checks.p
 whose `meta.on_failure` is `error` is an error outcome, one failing only `skipped` ones is skipped, both
 with a reason naming the expectation. The records that pass are split train/eval (tasks/data/split.py),
 and the split is checked by `expectations/train_eval_split.json` (no conversation or normalised prompt in
-both splits, eval requests honoured).
+both splits, eval requests honoured) and `expectations/decontamination.json` (held-out prompts whose word n-grams
+the training records already contain: tasks/data/contamination.py).
 
 Writes `data/train.jsonl`, `data/eval.jsonl`, `reports/data_docs/` (GX Data Docs), `reports/data_contract.json`
 (per expectation: passed, unexpected count, sample ids; totals) and `data/validate_report.json` (one outcome
@@ -33,11 +34,13 @@ from expectations.record_checks import CheckSettings, DerivedRecord, derive
 from tasks.common.artifacts import atomic_directory, write_json, write_jsonl
 from tasks.common.target_info import load_tokenizer, read_target_info
 from tasks.data import split as data_split
+from tasks.data.contamination import PromptOverlap, contamination_summary, prompt_overlaps
 from tasks.data.error_budget import ErrorBudget, read_upstream_reports
 
 EXPECTATIONS_DIR = Path(__file__).resolve().parent.parent / "expectations"
 RECORD_SUITE = "regenerated_records"
 SPLIT_SUITE = "train_eval_split"
+DECONTAMINATION_SUITE = "decontamination"
 INPUT_NAME = "regenerated.jsonl"
 SAMPLE_IDS = 10
 EXAMPLE_IDS = 5
@@ -135,7 +138,7 @@ def run(cfg: RunConfig) -> ValidateResult:
     out = cfg.output_path
     data_dir, reports_dir = out / "data", out / "reports"
     source = data_dir / INPUT_NAME
-    suites = {name: load_suite_json(name) for name in (RECORD_SUITE, SPLIT_SUITE)}
+    suites = {name: load_suite_json(name) for name in (RECORD_SUITE, SPLIT_SUITE, DECONTAMINATION_SUITE)}
     check_threshold_names(cfg, suites[RECORD_SUITE])
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no regenerated records; run the regenerate stage first")
@@ -165,6 +168,10 @@ def run(cfg: RunConfig) -> ValidateResult:
         splits = data_split.assign_splits(candidates, cfg.validation.eval_fraction, cfg.validation.seed)
         split_checks = run_suite(context, suites[SPLIT_SUITE], split_frame(candidates, splits, [row.key for row in ok_rows]),
                                  {}, cfg.run_id, [item.id for item in candidates])
+        overlaps = held_out_overlaps(cfg, ok_rows, splits)
+        split_checks += run_suite(context, decontamination_suite(cfg, suites[DECONTAMINATION_SUITE]),
+                                  overlap_frame(overlaps), {"max_prompt_overlap": cfg.validation.max_prompt_overlap},
+                                  cfg.run_id, [overlap.id for overlap in overlaps])
         if not (staging / "index.html").is_file():
             raise RuntimeError(f"GX Data Docs did not write index.html under {staging}")
 
@@ -193,6 +200,8 @@ def run(cfg: RunConfig) -> ValidateResult:
             "supervised_tokens": {**supervised, "total": supervised["train"] + supervised["eval"]},
         },
         "error_budget": budget.as_json(),
+        "decontamination": contamination_summary(overlaps, cfg.validation.max_prompt_overlap,
+                                                 cfg.validation.decontamination_ngram),
         "thresholds": {"max_error_fraction": cfg.validation.max_error_fraction,
                        "error_fraction": budget.fraction,
                        "min_train_records": cfg.validation.min_train_records,
@@ -295,6 +304,33 @@ def split_frame(candidates: list[data_split.SplitCandidate], splits: list[str], 
     columns = ["key", "id", "split", "requested_split", "conversation", "prompt", "conversation_splits", "prompt_splits",
                "eval_request_honoured"]
     return pd.DataFrame(rows, columns=columns, dtype=object)
+
+
+def held_out_overlaps(cfg: RunConfig, ok_rows: list[DerivedRecord], splits: list[str]) -> list[PromptOverlap]:
+    """Each held-out user turn's n-gram overlap with the train split."""
+    train = [row.record for row, split in zip(ok_rows, splits) if split == "train"]
+    held_out = [row.record for row, split in zip(ok_rows, splits) if split == "eval"]
+    return prompt_overlaps(held_out, train, cfg.validation.decontamination_ngram)
+
+
+def overlap_frame(overlaps: list[PromptOverlap]):
+    """One row per held-out prompt checked (`key`: record id and user turn)."""
+    import pandas as pd
+
+    columns = ["key", "id", "turn", "source", "ngrams", "ngram_overlap"]
+    rows = [{"key": f"{overlap.id}#turn{overlap.turn}", "id": overlap.id, "turn": overlap.turn,
+             "source": overlap.source, "ngrams": overlap.ngrams, "ngram_overlap": overlap.overlap}
+            for overlap in overlaps]
+    return pd.DataFrame(rows, columns=columns).astype({"ngram_overlap": float})
+
+
+def decontamination_suite(cfg: RunConfig, suite: dict[str, Any]) -> dict[str, Any]:
+    """The suite with its one expectation's `mostly` set from validation.max_contaminated_share (GX takes no
+    parameter there)."""
+    configured = json.loads(json.dumps(suite))
+    for expectation in configured["expectations"]:
+        expectation["kwargs"]["mostly"] = 1.0 - cfg.validation.max_contaminated_share
+    return configured
 
 
 # --- GX -----------------------------------------------------------------------------------------------------

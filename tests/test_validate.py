@@ -601,3 +601,53 @@ def test_turns_cut_at_max_new_tokens_are_counted_and_dropped_only_when_asked(tmp
     assert {key for key, outcome in outcomes.items() if outcome["status"] == "skipped"} == {"chats:hello", "chats:story"}
     assert "cut_turns_allowed" in outcomes["chats:hello"]["reason"]
     assert expectation(contract_of(dropped), "cut_turns_allowed")["unexpected_count"] == 2
+
+
+# --- decontamination ----------------------------------------------------------------------------------------
+
+BENCHMARK_QUESTION = ("Write a persuasive email to convince your introverted friend, who dislikes public speaking, "
+                      "to volunteer as a guest speaker at a local event.")
+
+
+def contaminated_records(chat_hash: str) -> list[PromptRecord]:
+    """Two held-out benchmark questions; one of them pasted into a training conversation, with other words around it."""
+    h = chat_hash
+    records = clean_records(chat_hash)
+    records += [
+        conv(h, "mt-82", user(BENCHMARK_QUESTION), bot("Dear friend, ..."), split="eval"),
+        conv(h, "pasted", user(f"My teacher asked: {BENCHMARK_QUESTION.upper()} Help me!"), bot("Sure."),
+             split="train"),
+    ]
+    return records
+
+
+def test_a_benchmark_question_pasted_into_training_fails_the_contract_by_id(tmp_path: Path, materialised: Path,
+                                                                           chat_hash: str) -> None:
+    from tasks import validate
+
+    cfg = prepare(tmp_path, materialised, contaminated_records(chat_hash), eval_fraction=0.0)
+    with pytest.raises(validate.DataContractError, match="held_out_prompts_not_in_training.*chats:mt-82"):
+        validate.run(cfg)
+    contract = contract_of(cfg)
+    check = expectation(contract, "held_out_prompts_not_in_training")
+    assert not check["passed"] and check["unexpected_count"] == 1 and check["sample_keys"] == ["chats:mt-82#turn1"]
+    report = contract["decontamination"]
+    assert report["contaminated"] == [{"id": "chats:mt-82", "turn": 1, "source": "chats", "overlap": 1.0}]
+    assert report["ngram_words"] == 13 and report["by_source"]["chats"]["prompts"] == 1, \
+        "the Hawaii question has fewer than 13 words: not checked"
+    assert not (cfg.output_path / "data" / "train.jsonl").exists()
+
+
+def test_a_configured_share_of_contaminated_prompts_passes_and_is_still_reported(
+        tmp_path: Path, materialised: Path, chat_hash: str) -> None:
+    from tasks import validate
+
+    clean = conv(chat_hash, "mt-83", user("Describe five key principles in evaluating an argument in analytical "
+                                          "writing, and explain how each one applies to a newspaper editorial."),
+                 bot("First, ..."), split="eval")
+    cfg = prepare(tmp_path, materialised, [*contaminated_records(chat_hash), clean], eval_fraction=0.0,
+                  max_contaminated_share=0.5)
+    validate.run(cfg)
+    contract = contract_of(cfg)
+    assert expectation(contract, "held_out_prompts_not_in_training")["passed"]
+    assert [item["id"] for item in contract["decontamination"]["contaminated"]] == ["chats:mt-82"]

@@ -21,7 +21,8 @@ PROJECT_PACKAGES: tuple[str, ...] = ("contract", "models", "tasks", "expectation
 #: Files a stage needs that no import names; a .py file here has its imports followed too.
 STAGE_FILES: dict[str, tuple[str, ...]] = {
     # the Great Expectations suites, read by path
-    "validate": ("expectations/regenerated_records.json", "expectations/train_eval_split.json"),
+    "validate": ("expectations/regenerated_records.json", "expectations/train_eval_split.json",
+                 "expectations/decontamination.json"),
     "capture": ("tasks/serving/vllm_plugins/eaglet_hidden_states.py",),  # loaded by the vLLM engine process by path
     "train": ("tasks/serving/vllm_plugins/eaglet_hidden_states.py",),  # online training captures through it too
 }
