@@ -396,7 +396,20 @@ def check_tree_tokens(num_draft_tokens: Optional[int], info: ValidationInfo) -> 
     return num_draft_tokens
 
 
+class EvalSet(Section):
+    """A held-out suite measured beside the reference prompts: the held-out records of one data source, `records`
+    of them spread evenly over its categories (all when None)."""
+
+    source: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    records: Optional[int] = Field(default=None, ge=1)
+
+
 class EvaluationConfig(Section):
+    """The evaluate stage. `max_prompts` records of `sources` are the reference prompts: decoded by the target alone
+    (the proof of greedy equivalence), as a chain and as a tree, and replayed on the engine by the benchmark's
+    agreement check. `sets` are the suites acceptance is reported on, per suite and category with intervals:
+    their prompts are decoded as a chain only (the reference prompts among them are not decoded twice)."""
+
     steps: int = Field(default=3, ge=1)
     topk: int = Field(default=1, ge=1)
     num_draft_tokens: int = Field(
@@ -405,7 +418,18 @@ class EvaluationConfig(Section):
     max_new_tokens: int = Field(default=128, ge=1)
     max_prompts: Optional[int] = Field(default=None, ge=1, description="held-out records used (evenly spaced)")
     sources: Optional[list[str]] = Field(default=None, description="only held-out records of these sources")
+    sets: list[EvalSet] = Field(default_factory=list, description="held-out suites reported per suite and category "
+                                "with 95 % intervals (empty: the reference prompts alone)")
     temperature: float = Field(default=0.0, ge=0.0)
+
+    @field_validator("sets")
+    @classmethod
+    def _distinct_sets(cls, sets: list[EvalSet]) -> list[EvalSet]:
+        names = [item.source for item in sets]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"evaluation.sets names a source twice: {', '.join(repeated)}")
+        return sets
 
     @field_validator("num_draft_tokens")
     @classmethod

@@ -98,6 +98,9 @@ class AcceptanceReport(Report):
     target: TargetAlone
     chain: ModeAcceptance
     tree: Optional[ModeAcceptance] = None
+    suites: Optional[ModeAcceptance] = Field(
+        default=None, description="the chain over every prompt of evaluation.sets (the reference prompts among "
+        "them included), with its buckets per source and category: set only when sets are configured")
     greedy_equivalence: str
     greedy_mismatches: list[dict[str, Any]]
 

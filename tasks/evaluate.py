@@ -11,7 +11,11 @@ cache, mask and position code, so a bug there cannot agree with itself) and by s
 `num_speculative_tokens` = S runs) and, when `evaluation.topk` > 1, as a dynamic tree (topk K, steps S,
 `num_draft_tokens` N, like SGLang's flags).
 Greedy (temperature 0) outputs must equal the target's token for token: a mismatch fails the stage after the
-report is written, naming the prompts.
+report is written, naming the prompts. Those are the reference prompts (`evaluation.max_prompts` records of
+`evaluation.sources`). The suites of `evaluation.sets` (MT-bench's categories, GSM8K, HumanEval, ...: records
+spread over each suite's categories) are decoded as the chain alone, their prompts among the reference ones not
+twice, and reported as the `suites` section: τ per suite and category with 95 % bootstrap intervals over prompts
+(tasks/common/intervals.py).
 
 Writes `evaluate/acceptance.json` (contract/reports.py's AcceptanceReport, validated before writing; per mode: mean
 acceptance length, acceptance by depth, accepted-length histogram, drafted tokens per round, draft/verify time split,
@@ -37,7 +41,7 @@ from tasks.common.artifacts import read_json, save_figure, write_json
 from tasks.common.intervals import PromptRounds, tau_interval
 from tasks.common.progress import advance, progress_bar
 from tasks.common.target_info import load_target_model, load_tokenizer
-from tasks.data.held_out import EvalPrompt, eval_prompts
+from tasks.data.held_out import EvalPrompt, eval_prompts, set_prompts
 
 class GreedyMismatch(RuntimeError):
     """Speculative decoding changed a greedy output: the decoder or the drafter's contract is broken."""
@@ -139,7 +143,7 @@ class EvaluationResult:
         numbers: dict[str, float] = {"prompts": float(self.report["prompts"]),
                                      "greedy_mismatches": float(len(self.report["greedy_mismatches"])),
                                      "target_tokens_per_second": self.report["target"]["tokens_per_second"]}
-        for name in ("chain", "tree"):
+        for name in ("chain", "tree", "suites"):
             mode = self.report.get(name)
             if not mode:
                 continue
@@ -207,14 +211,19 @@ def run(cfg: RunConfig) -> EvaluationResult:
     draft = load_drafter(cfg, target)
     prompts = eval_prompts(out / "data" / "eval.jsonl", tokenizer, cfg.validation.max_length, settings.max_prompts,
                            settings.sources)
+    suite_prompts = set_prompts(out / "data" / "eval.jsonl", tokenizer, cfg.validation.max_length, settings.sets)
+    suite_keys = {prompt.key for prompt in suite_prompts}
+    reference_keys = {prompt.key for prompt in prompts}
+    suite_only = [prompt for prompt in suite_prompts if prompt.key not in reference_keys]
     eos = target.generation_config.eos_token_id if target.generation_config is not None else tokenizer.eos_token_id
     modes = decode_modes(cfg)
     decoders = {mode.name: SpeculativeDecoder(target, draft, steps=mode.steps, topk=mode.topk,
                                               num_draft_tokens=mode.num_draft_tokens) for mode in modes}
     totals = {mode.name: ModeTotals(mode) for mode in modes}
+    suites = ModeTotals(modes[0]) if settings.sets else None  # the chain, over every set's prompts
     baseline_tokens, baseline_seconds = 0, 0.0
     mismatches: list[dict[str, Any]] = []
-    with progress_bar("evaluate", len(prompts) * (1 + len(modes))) as bar:
+    with progress_bar("evaluate", len(prompts) * (1 + len(modes)) + len(suite_only)) as bar:
         for index, prompt in enumerate(prompts):
             started = time.perf_counter()
             generator = seeded(cfg.runtime.seed + index)
@@ -227,16 +236,26 @@ def run(cfg: RunConfig) -> EvaluationResult:
                 started = time.perf_counter()
                 tokens, stats = decoders[mode.name].generate(prompt.input_ids, settings.max_new_tokens,
                                                              settings.temperature, eos, seeded(cfg.runtime.seed + index))
-                totals[mode.name].add(prompt, stats, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                totals[mode.name].add(prompt, stats, seconds)
+                if suites is not None and mode is modes[0] and prompt.key in suite_keys:
+                    suites.add(prompt, stats, seconds)
                 if settings.temperature == 0.0 and tokens != expected:
                     mismatches.append(mismatch(prompt, mode, expected, tokens))
                 advance(bar, 1)
+        for index, prompt in enumerate(suite_only, start=len(prompts)):
+            started = time.perf_counter()
+            _, stats = decoders[modes[0].name].generate(prompt.input_ids, settings.max_new_tokens,
+                                                        settings.temperature, eos, seeded(cfg.runtime.seed + index))
+            suites.add(prompt, stats, time.perf_counter() - started)
+            advance(bar, 1)
     target_rate = baseline_tokens / baseline_seconds if baseline_seconds else 0.0
     report = AcceptanceReport(
         prompts=len(prompts), records=len({prompt.id for prompt in prompts}), temperature=settings.temperature,
         max_new_tokens=settings.max_new_tokens, drafter=str(out / "draft" / "sglang"),
         target={"generated_tokens": baseline_tokens, "tokens_per_second": target_rate},
         **{name: mode_totals.report(target_rate) for name, mode_totals in totals.items()},
+        **({"suites": suites.report(target_rate)} if suites is not None else {}),
         greedy_equivalence="not checked (temperature > 0)" if settings.temperature else
                            ("passed" if not mismatches else "failed"),
         greedy_mismatches=mismatches,
@@ -293,7 +312,7 @@ def plot_acceptance(report: dict[str, Any], directory: Path) -> list[Path]:
     axis.set_ylabel("rounds")
     axis.legend()
     paths.append(save_figure(figure, directory / "accept_length_histogram.png"))
-    paths.append(plot_suites(report["chain"], directory / "acceptance_by_suite.png"))
+    paths.append(plot_suites(report.get("suites") or report["chain"], directory / "acceptance_by_suite.png"))
     return paths
 
 

@@ -134,3 +134,32 @@ def test_a_target_forward_bug_fails_the_stage(trained_run, tmp_path: Path, monke
         evaluate.run(cfg)
     report = json.loads((directory / "evaluate" / "acceptance.json").read_text())
     assert report["greedy_equivalence"] == "failed" and report["greedy_mismatches"]
+
+
+def test_suites_report_every_set_per_source_and_category_with_intervals(trained_run, tmp_path: Path) -> None:
+    """evaluation.sets: the chain over every set's prompts, the reference prompt among them decoded once; per suite
+    and category τ with a bootstrap interval; the reference sections stay the reference prompts'."""
+    from contract.config import EvalSet
+
+    directory = tmp_path / "run"
+    shutil.copytree(trained_run.output_path, directory)
+    settings = {"max_prompts": 1, "sources": ["chats"], "topk": 1,
+                "sets": [EvalSet(source="chats"), EvalSet(source="mtbench", records=1)]}
+    cfg = trained_run.model_copy(update={"output_dir": str(directory),
+                                         "evaluation": trained_run.evaluation.model_copy(update=settings)})
+    result = evaluate.run(cfg)
+    report = result.report
+    assert report["prompts"] == 1 and len(report["chain"]["per_prompt"]) == 1 and "tree" not in report
+    suites = report["suites"]
+    keys = [row["prompt"] for row in suites["per_prompt"]]
+    assert keys == ["chats:6#turn1", "chats:7#turn1", "mtbench:81#turn1", "mtbench:81#turn2"]
+    assert suites["per_prompt"][0] == report["chain"]["per_prompt"][0], "the reference prompt is decoded once"
+    check_acceptance_arithmetic(suites, 4)
+    for bucket, prompts in (("source=chats", 2), ("source=mtbench", 2), ("category=writing", 2)):
+        values = suites["buckets"][bucket]
+        assert values["prompts"] == prompts and values["low"] <= values["mean_accept_length"] <= values["high"]
+    interval = suites["mean_accept_length_interval"]
+    assert interval["prompts"] == 4 and interval["low"] <= suites["mean_accept_length"] <= interval["high"]
+    summary = result.summary()
+    assert summary["suites_mean_accept_length.source.mtbench"] == suites["buckets"]["source=mtbench"]["mean_accept_length"]
+    assert (directory / "evaluate" / "acceptance_by_suite.png").stat().st_size > 1000
