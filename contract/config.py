@@ -497,7 +497,7 @@ class TrackingConfig(Section):
 
 #: The promotion gates that can go unmeasured (tasks/registry/gates.py): the keys `registry.waive_gates` takes.
 #: A per-engine gate (`speedup[vllm]`) is waived by its family name (`speedup`); the other gates are always measured.
-WAIVABLE_GATES = ("serving_checks", "engine_acceptance", "speedup", "no_regression")
+WAIVABLE_GATES = ("serving_checks", "engine_acceptance", "speedup", "no_regression", "improvement")
 
 
 def waiver_reason(reason: Any) -> Any:

@@ -36,6 +36,10 @@ class PromptAcceptance(Report):
     accepted_per_position: list[float] = Field(description="rounds accepting the draft token at position 1..steps")
     generated_tokens: int = Field(ge=0, description="tokens emitted, the prefill's token included, cut by the "
                                                     "budget or EOS exactly as an engine's completion_tokens")
+    source: Optional[str] = Field(default=None, description="the eval set (suite) the prompt came from")
+    input_hash: Optional[str] = Field(
+        default=None, description="sha256 of the prompt's token ids: two versions' rounds on a prompt are paired "
+        "only when both read the same tokens (tasks/registry/comparison.py)")
 
 
 class Bucket(Report):

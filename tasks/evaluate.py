@@ -27,6 +27,7 @@ benchmark's engine agreement checks compare with; buckets by source, category an
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from typing import Any, Optional
 import torch
 
 from contract.config import RunConfig
+from contract.hashing import hash_text
 from contract.reports import AcceptanceReport, ModeAcceptance
 from tasks.common.artifacts import read_json, save_figure, write_json
 from tasks.common.intervals import PromptRounds, tau_interval
@@ -83,7 +85,8 @@ class ModeTotals:
         self.wall_seconds += seconds
         accepted = accepted_counts(stats.accept_lengths, self.mode.steps)
         self.per_prompt.append({"prompt": prompt.key, "rounds": stats.rounds, "accepted_per_position": accepted,
-                                "generated_tokens": stats.generated_tokens})
+                                "generated_tokens": stats.generated_tokens, "source": prompt.source,
+                                "input_hash": prompt_hash(prompt.input_ids)})
         rounds = PromptRounds(float(sum(stats.accept_lengths)), float(len(stats.accept_lengths)))
         self.prompts.append(rounds)
         for bucket in (f"source={prompt.source}", f"category={prompt.category}",
@@ -121,6 +124,11 @@ def bucket_report(prompts: list[PromptRounds]) -> dict[str, Any]:
     interval = tau_interval(prompts)
     return {"rounds": int(sum(prompt.rounds for prompt in prompts)), "mean_accept_length": interval.estimate,
             "prompts": interval.prompts, "low": interval.low, "high": interval.high}
+
+
+def prompt_hash(input_ids: list[int]) -> str:
+    """What a prompt's rounds are paired on across versions: the token ids it decoded from, not its name."""
+    return hash_text(json.dumps(input_ids))
 
 
 def accepted_counts(accept_lengths: list[int], steps: int) -> list[int]:

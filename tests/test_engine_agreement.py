@@ -277,7 +277,7 @@ def test_the_flagship_sglang_recipe_can_become_champion_on_the_totals_check(tmp_
     print("\nflagship gates (configs/llama31-8b-sglang.yaml):\n  " + "\n  ".join(lines))
     assert [gate.name for gate in gates] == ["data_contract", "greedy_equivalence", "offline_accept_length",
                                              "serving_checks", "engine_acceptance[sglang]", "speedup[sglang]",
-                                             "no_regression"]
+                                             "no_regression", "improvement"]
     assert all(gate.status == "passed" for gate in gates) and gates_passed(gates)
     assert check["check"] == "totals" and lines[4].startswith("engine_acceptance[sglang]: passed (measured 1, "
                                                               "threshold 0.01): p-value of tokens per verify round")

@@ -12,7 +12,7 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import mlflow
 import pytest
@@ -84,10 +84,14 @@ def write(path: Path, data: Any) -> None:
 
 
 def plant_accept_length(cfg: RunConfig, value: float) -> None:
-    """Overwrite the offline chain accept length of the run's evaluate report."""
+    """Overwrite the offline chain accept length of the run's evaluate report, and every prompt's rounds with it
+    (each prompt accepts `value` tokens per round: the paired comparison with a champion is then exact)."""
     path = cfg.output_path / "evaluate" / "acceptance.json"
     report = json.loads(path.read_text())
     report["chain"]["mean_accept_length"] = value
+    for row in report["chain"]["per_prompt"]:
+        positions = len(row["accepted_per_position"])
+        row["accepted_per_position"] = [(value - 1.0) * row["rounds"]] + [0.0] * (positions - 1)
     write(path, report)
 
 
@@ -107,16 +111,37 @@ def serving(speedup: float = 1.4, agreement: str = "ok", min_p_value: float = 0.
     return benchmark_report({"vllm": engine})
 
 
-def accept_length(value: float, **changes: Any) -> dict[str, Any]:
-    """An evaluate report whose chain accepts `value` tokens per round."""
-    return acceptance_report(chain=mode_acceptance(mean_accept_length=value), **changes)
+#: Eight reference prompts' spread around a report's τ (a prompt's τ is the report's plus its offset).
+SPREAD = (-0.3, -0.2, -0.1, 0.0, 0.0, 0.1, 0.2, 0.3)
+
+
+def prompt_rows(taus: list[float], source: Optional[str] = None, rounds: int = 20,
+                prefix: str = "mtbench") -> list[dict[str, Any]]:
+    """Per-prompt rows as evaluate writes them, prompt i accepting taus[i] tokens per round over `rounds` rounds."""
+    return [{"prompt": f"{prefix}:{index}#turn1", "rounds": rounds, "source": source, "input_hash": f"{prefix}-{index}",
+             "accepted_per_position": [(tau - 1.0) * rounds, 0.0, 0.0], "generated_tokens": int(tau * rounds)}
+            for index, tau in enumerate(taus)]
+
+
+def accept_length(value: float, suites: Optional[dict[str, list[float]]] = None, **changes: Any) -> dict[str, Any]:
+    """An evaluate report whose chain accepts `value` tokens per round over eight prompts; `suites` adds the
+    suites section, suite -> each prompt's τ."""
+    chain = mode_acceptance(mean_accept_length=value, per_prompt=prompt_rows([value + offset for offset in SPREAD]))
+    if suites is not None:
+        rows = [row for name, taus in suites.items() for row in prompt_rows(taus, name, prefix=name)]
+        changes["suites"] = mode_acceptance(per_prompt=rows)
+    return acceptance_report(chain=chain, **changes)
+
+
+def champion(value: float, fingerprint: str = "evalset", revision: str = "rev", **report: Any) -> Champion:
+    """Champion v1 measured `value` on the reference prompts, with its logged acceptance report."""
+    return Champion(1, revision, fingerprint, value, AcceptanceReport.model_validate(accept_length(value, **report)))
 
 
 def good_inputs(**changes: Any) -> GateInputs:
     """Reports every gate passes on, with `changes` planted (reports as the JSON the stages write)."""
     values = {"acceptance": accept_length(2.0), "serving": serving(), "data_contract": {"passed": True, "violations": []},
-              "target_revision": "rev", "eval_fingerprint": "evalset",
-              "champion": Champion(1, "rev", "evalset", 1.95)}
+              "target_revision": "rev", "eval_fingerprint": "evalset", "champion": champion(1.95)}
     values.update(changes)
     values["acceptance"] = AcceptanceReport.model_validate(values["acceptance"])
     values["serving"] = BenchmarkReport.model_validate(values["serving"]) if values["serving"] is not None else None
@@ -134,14 +159,15 @@ PLANTED: dict[str, tuple[Callable[[], GateInputs], Any, Any]] = {
     "engine_acceptance[vllm]": (lambda: good_inputs(serving=serving(agreement="failed", min_p_value=0.011)), 0.011,
                                 0.01),
     "speedup[vllm]": (lambda: good_inputs(serving=serving(speedup=1.1)), 1.1, 1.2),
-    "no_regression": (lambda: good_inputs(champion=Champion(1, "rev", "evalset", 2.5)), 2.0, pytest.approx(2.45)),
+    "no_regression": (lambda: good_inputs(champion=champion(2.5)), 2.0, pytest.approx(2.45)),
 }
 
 
 def test_good_reports_pass_every_gate() -> None:
     gates = evaluate_gates(good_inputs(), SETTINGS)
     assert [gate.name for gate in gates] == ["data_contract", "greedy_equivalence", "offline_accept_length",
-                                             "serving_checks", "engine_acceptance[vllm]", "speedup[vllm]", "no_regression"]
+                                             "serving_checks", "engine_acceptance[vllm]", "speedup[vllm]", "no_regression",
+                                             "improvement"]
     assert all(gate.status == "passed" for gate in gates) and gates_passed(gates)
     speedup = next(gate for gate in gates if gate.name == "speedup[vllm]")
     assert speedup.measured == 1.4 and "concurrency 1" in speedup.detail, "the lowest level by default"
@@ -158,13 +184,13 @@ def test_each_gate_fails_on_its_planted_bad_value(name: str) -> None:
 
 
 def test_unmeasured_gates_block_champion_unless_waived_by_name() -> None:
-    other_eval_set = Champion(1, "rev", "another-evalset", 9.0)
+    other_eval_set = champion(9.0, fingerprint="another-evalset")
     inputs = good_inputs(serving=SKIPPED_BENCHMARK, champion=other_eval_set)
     gates = evaluate_gates(inputs, SETTINGS)
     verdicts = {gate.name: gate.status for gate in gates}
     assert verdicts == {"data_contract": "passed", "greedy_equivalence": "passed", "offline_accept_length": "passed",
                         "serving_checks": "not run", "engine_acceptance": "not run", "speedup": "not run",
-                        "no_regression": "not run"}
+                        "no_regression": "not run", "improvement": "not run"}
     assert not gates_passed(gates), "nothing shows the drafter serves faster or does not regress"
     assert ("speedup: not run (measured None, threshold 1.2): no engine ran: benchmark.engines is empty; "
             "waive with registry.waive_gates: {speedup: <why it cannot be measured>}") in blocking_lines(gates)
@@ -172,8 +198,11 @@ def test_unmeasured_gates_block_champion_unless_waived_by_name() -> None:
 
     serving_waived = evaluate_gates(inputs, waiving(SERVING_WAIVERS))
     assert {gate.name: gate.status for gate in serving_waived}["speedup"] == "waived"
-    assert [gate.name for gate in serving_waived if gate.blocks] == ["no_regression"], "another eval set still blocks"
-    everything = waiving({**SERVING_WAIVERS, "no_regression": "the eval set was rebuilt"})
+    assert [gate.name for gate in serving_waived if gate.blocks] == ["no_regression", "improvement"], \
+        "another eval set still blocks"
+    assert "no eval set measured alike by this version and champion v1" in serving_waived[-1].detail
+    rebuilt = {"no_regression": "the eval set was rebuilt", "improvement": "the eval set was rebuilt"}
+    everything = waiving({**SERVING_WAIVERS, **rebuilt})
     waived = {gate.name: gate for gate in evaluate_gates(inputs, everything)}
     assert gates_passed(list(waived.values())) and waived["no_regression"].status == "waived"
     assert waived["no_regression"].waived_by == "registry.waive_gates.no_regression: the eval set was rebuilt"
@@ -184,6 +213,83 @@ def test_unmeasured_gates_block_champion_unless_waived_by_name() -> None:
 
     missing = {gate.name: gate for gate in evaluate_gates(good_inputs(data_contract=None), everything)}
     assert missing["data_contract"].failed and "validate stage" in missing["data_contract"].detail
+
+
+#: Prompt-by-prompt changes whose mean is a drop of 0.1 but whose signs disagree: noise, not a regression.
+NOISY_DROP = (0.6, -0.8, 0.6, -0.8, 0.6, -0.8, 0.6, -0.8)
+
+
+def shifted(taus: list[float], changes: tuple[float, ...]) -> list[float]:
+    return [tau + change for tau, change in zip(taus, changes)]
+
+
+def test_a_drop_inside_the_noise_is_no_regression_and_a_gain_inside_it_does_not_replace_the_champion() -> None:
+    base = [2.0 + offset for offset in SPREAD]
+    noisy = accept_length(1.9, suites={"gsm8k": shifted(base, NOISY_DROP)})
+    gates = {gate.name: gate for gate in evaluate_gates(
+        good_inputs(acceptance=noisy, champion=champion(2.0, suites={"gsm8k": base})), SETTINGS)}
+    suite = gates["no_regression[gsm8k]"]
+    assert suite.status == "passed" and suite.measured == pytest.approx(1.9) and suite.threshold == pytest.approx(1.96)
+    assert suite.detail.endswith("a drop inside the noise, not a regression"), suite.detail
+    assert "difference -0.100 [" in suite.detail and "over 8 prompts" in suite.detail
+    assert gates["no_regression"].status == "failed", "the reference prompts all dropped by 0.1: outside the noise"
+    assert gates["improvement"].status == "failed" and "champion v1 stays" in gates["improvement"].detail
+
+    gain = accept_length(2.0, suites={"gsm8k": shifted(base, tuple(-change for change in NOISY_DROP))})
+    gates = {gate.name: gate for gate in evaluate_gates(
+        good_inputs(acceptance=gain, champion=champion(2.0, suites={"gsm8k": base})), SETTINGS)}
+    assert gates["no_regression"].status == gates["no_regression[gsm8k]"].status == "passed"
+    improvement = gates["improvement"]
+    assert improvement.status == "failed" and improvement.measured == 0.0, "the best lower bound: the equal reference"
+    assert gates["no_regression[gsm8k]"].measured == pytest.approx(2.1)
+    assert "a gain inside the noise does not replace it" in improvement.detail
+    assert "gsm8k: 2.100 vs champion 2.000, difference +0.100" in improvement.detail
+    assert not gates_passed(list(gates.values()))
+
+
+def test_each_suite_is_gated_on_its_own_prompts() -> None:
+    suites = {"mtbench": [1.5] * 8, "gsm8k": [1.8] * 8}
+    candidate = accept_length(2.0, suites={"mtbench": [1.7] * 8, "gsm8k": [1.6] * 8})
+    gates = {gate.name: gate for gate in evaluate_gates(
+        good_inputs(acceptance=candidate, champion=champion(1.95, suites=suites)), SETTINGS)}
+    assert [name for name in gates if name.startswith("no_regression")] == [
+        "no_regression", "no_regression[mtbench]", "no_regression[gsm8k]"]
+    regressed = gates["no_regression[gsm8k]"]
+    assert regressed.status == "failed" and regressed.measured == pytest.approx(1.6)
+    assert regressed.threshold == pytest.approx(1.8 * 0.98) and "difference -0.200 [-0.200, -0.200]" in regressed.detail
+    assert gates["no_regression[mtbench]"].status == "passed"
+    assert gates["improvement"].status == "passed" and gates["improvement"].measured == pytest.approx(0.2)
+    assert gates["improvement"].detail.startswith("mtbench gains beyond the noise")
+    assert blocking_lines(list(gates.values())) == [regressed.describe()]
+
+    other_prompts = champion(1.95, suites={"mtbench": [1.5] * 8, "gsm8k": [1.8] * 9})
+    first = {gate.name: gate for gate in evaluate_gates(good_inputs(acceptance=candidate, champion=None), SETTINGS)}
+    assert first["no_regression[gsm8k]"].status == "passed" and "no champion yet" in first["no_regression[gsm8k]"].detail
+    unlike = {gate.name: gate for gate in evaluate_gates(
+        good_inputs(acceptance=candidate, champion=other_prompts), SETTINGS)}
+    assert unlike["no_regression[gsm8k]"].status == NOT_RUN
+    assert unlike["no_regression[gsm8k]"].detail == ("champion v1: measured on other prompts (8 of the candidate's 8 "
+                                                      "prompts and the champion's 9 are the same)")
+    assert unlike["no_regression[mtbench]"].status == "passed"
+
+
+def test_a_champion_without_readable_rounds_or_prompt_hashes() -> None:
+    unreadable = Champion(1, "rev", "evalset", 1.95)
+    gates = {gate.name: gate for gate in evaluate_gates(good_inputs(champion=unreadable), SETTINGS)}
+    assert gates["no_regression"].status == "passed" and "point comparison" in gates["no_regression"].detail
+    assert gates["improvement"].status == NOT_RUN
+    assert gates["improvement"].detail == "champion v1's reports/acceptance.json could not be read: nothing to pair"
+
+    unhashed = accept_length(1.95, suites={"gsm8k": [1.5] * 8})
+    for row in unhashed["chain"]["per_prompt"] + unhashed["suites"]["per_prompt"]:
+        del row["input_hash"]
+    before_hashes = Champion(1, "rev", "evalset", 1.95, AcceptanceReport.model_validate(unhashed))
+    candidate = accept_length(2.0, suites={"gsm8k": [1.6] * 8})
+    gates = {gate.name: gate for gate in evaluate_gates(
+        good_inputs(acceptance=candidate, champion=before_hashes), SETTINGS)}
+    assert gates["improvement"].status == "passed", "the reference prompts pair on their names"
+    assert gates["improvement"].detail.startswith("reference gains beyond the noise")
+    assert gates["no_regression[gsm8k]"].status == NOT_RUN and "no prompt hashes" in gates["no_regression[gsm8k]"].detail
 
 
 def waiving(waivers: dict[str, str]) -> RegistryConfig:
@@ -348,7 +454,9 @@ def test_failing_gate_keeps_candidate_then_a_passing_version_moves_the_aliases(
     assert "v1" in gates["no_regression"]["detail"]
     assert any(line.startswith("offline_accept_length: failed (measured 1.2, threshold 1.5)")
                for line in failed.registration["failed_gates"])
-    assert failed.summary()["gates_failed"] == 2.0 and failed.summary()["champion"] == 0.0
+    assert gates["improvement"]["status"] == "failed" and gates["improvement"]["measured"] == pytest.approx(-0.8), \
+        "paired with the champion's logged per-prompt rounds"
+    assert failed.summary()["gates_failed"] == 3.0 and failed.summary()["champion"] == 0.0
 
     plant_accept_length(cfg, 2.2)
     mlflow.set_tracking_uri(mlflow_uri)
@@ -390,7 +498,7 @@ def test_an_unmeasured_gate_withholds_champion_until_the_config_waives_it(
     incomparable = register.run(waived).registration
     assert incomparable["eval_fingerprint"] != promoted["eval_fingerprint"]
     assert incomparable["aliases"] == ["candidate"] and aliases(mlflow_uri) == {"champion": 2, "candidate": 3}
-    assert [line.partition(":")[0] for line in incomparable["failed_gates"]] == ["no_regression"]
+    assert [line.partition(":")[0] for line in incomparable["failed_gates"]] == ["no_regression", "improvement"]
     assert "champion v2 was evaluated on another eval set" in incomparable["failed_gates"][0]
 
     config = tmp_path / "run.yaml"

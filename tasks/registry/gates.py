@@ -5,7 +5,10 @@ engine ran, or the champion was measured on another eval set or target revision)
 failed one, since nothing shows the drafter is good enough; `registry.waive_gates` maps the gates allowed to go
 unmeasured to why they cannot be measured, and those become "waived", each carrying its reason (a recipe whose engine
 cannot be compared says so and why). The very first champion has nothing to regress against: its regression gate
-passes. Each gate keeps its measured value and its threshold, so a refusal says by how much it missed.
+passes. Against a champion, the comparison is paired over the same prompts per eval set (the reference prompts and
+each suite of `evaluation.sets`, tasks/registry/comparison.py): a drop beyond `registry.max_regression` fails only
+outside the noise (its bootstrap interval below zero), and a version replaces the champion only when some set gains
+beyond the noise (the `improvement` gate). Each gate keeps its measured value and its threshold, so a refusal says by how much it missed.
 
 The checkpoint checks are what `eaglet doctor` prints (docs/architecture.md §3, §5): the contract against the target,
 the tensor names and shapes the engines load, and the aux layer ids written for the export's engine.
@@ -20,6 +23,9 @@ from typing import Any, Literal, Optional
 from contract.checkpoint import CheckpointContract, ContractMismatch, check_against_target
 from contract.config import RegistryConfig
 from contract.reports import AcceptanceReport, AgreementCheck, BenchmarkReport, SpeedupRow
+from tasks.common.intervals import pooled_tau
+from tasks.registry.comparison import (Comparison, SetComparison, compare_reference, compare_suites, rounds_of,
+                                       suite_rows)
 
 PASSED, FAILED, NOT_RUN, WAIVED = "passed", "failed", "not run", "waived"
 GateStatus = Literal["passed", "failed", "not run", "waived"]
@@ -86,6 +92,7 @@ class Champion:
     target_revision: Optional[str]
     eval_fingerprint: Optional[str]
     offline_accept_length: Optional[float]
+    acceptance: Optional[AcceptanceReport] = None  # its logged reports/acceptance.json: per-prompt rounds to pair
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,8 @@ def evaluate_gates(inputs: GateInputs, settings: RegistryConfig) -> list[Gate]:
              accept_length_gate(inputs.acceptance, settings.min_accept_length)]
     gates += serving_gates(inputs.serving, settings)
     gates.append(regression_gate(inputs, settings.max_regression))
+    gates += suite_regression_gates(inputs, settings.max_regression)
+    gates.append(improvement_gate(inputs))
     return [waived(gate, settings.waive_gates) for gate in gates]
 
 
@@ -243,26 +252,111 @@ def speedup_gate(kind: str, rows: list[SpeedupRow], settings: RegistryConfig) ->
 
 
 def regression_gate(inputs: GateInputs, max_regression: float) -> Gate:
-    """No step back from the champion, compared only on the same target revision and eval prompts; the first
-    champion has nothing to regress against, so that counts as passing."""
+    """No step back from the champion on the reference prompts, compared only on the same target revision and eval
+    prompts; the first champion has nothing to regress against, so that counts as passing. With the champion's
+    per-prompt rounds, a drop beyond `max_regression` fails only when the paired interval puts it outside the noise."""
     champion = inputs.champion
     measured = offline_accept_length(inputs.acceptance)
     if champion is None:
         return Gate("no_regression", PASSED, measured, None, "no champion yet: nothing to regress against")
-    if champion.target_revision != inputs.target_revision:
-        return Gate("no_regression", NOT_RUN, measured, None,
-                    f"champion v{champion.version} was trained for another target revision: not comparable")
-    if champion.eval_fingerprint != inputs.eval_fingerprint:
-        return Gate("no_regression", NOT_RUN, measured, None,
-                    f"champion v{champion.version} was evaluated on another eval set: not comparable")
+    unlike = other_revision(champion, inputs.target_revision) or other_eval_set(champion, inputs.eval_fingerprint)
+    if unlike:
+        return Gate("no_regression", NOT_RUN, measured, None, unlike)
     if champion.offline_accept_length is None:
         return Gate("no_regression", NOT_RUN, measured, None,
                     f"champion v{champion.version} has no recorded offline accept length: not comparable")
     threshold = champion.offline_accept_length * (1.0 - max_regression)
-    detail = (f"champion v{champion.version} measured {champion.offline_accept_length:.3f} on the same eval set "
-              f"(registry.max_regression {max_regression})")
-    passed = measured is not None and measured >= threshold
-    return Gate("no_regression", PASSED if passed else FAILED, measured, threshold, detail)
+    context = (f"champion v{champion.version} measured {champion.offline_accept_length:.3f} on the same eval set "
+               f"(registry.max_regression {max_regression})")
+    comparison = compare_reference(inputs.acceptance, champion.acceptance) if champion.acceptance else None
+    return regression_verdict("no_regression", measured, threshold, comparison, context)
+
+
+def regression_verdict(name: str, measured: float, threshold: float, comparison: Optional[Comparison],
+                       context: str) -> Gate:
+    """Failed when τ fell below `threshold` and, where the prompts pair, the paired interval lies below zero: a drop
+    inside the noise is reported as such and passes. Without a pairing, the point values decide."""
+    below = measured < threshold
+    if not isinstance(comparison, SetComparison):
+        unpaired = comparison.reason if comparison is not None else "the champion's per-prompt rounds are not readable"
+        return Gate(name, FAILED if below else PASSED, measured, threshold,
+                    f"{context}; point comparison ({unpaired})")
+    detail = f"{context}; paired {comparison.describe()}"
+    if below and not comparison.significant_drop:
+        detail += ": a drop inside the noise, not a regression"
+    return Gate(name, FAILED if below and comparison.significant_drop else PASSED, measured, threshold, detail)
+
+
+def other_revision(champion: Champion, target_revision: str) -> Optional[str]:
+    if champion.target_revision != target_revision:
+        return f"champion v{champion.version} was trained for another target revision: not comparable"
+    return None
+
+
+def other_eval_set(champion: Champion, eval_fingerprint: str) -> Optional[str]:
+    if champion.eval_fingerprint != eval_fingerprint:
+        return f"champion v{champion.version} was evaluated on another eval set: not comparable"
+    return None
+
+
+def unreadable(champion: Champion) -> Optional[str]:
+    if champion.acceptance is None:
+        return f"champion v{champion.version}'s reports/acceptance.json could not be read: nothing to pair"
+    return None
+
+
+def suite_regression_gates(inputs: GateInputs, max_regression: float) -> list[Gate]:
+    """`no_regression[<suite>]` per suite of evaluation.sets: the same rule as the reference prompts', on the suite's
+    prompts; a suite the champion did not measure alike is not comparable and says why."""
+    champion = inputs.champion
+    comparisons: dict[str, Comparison] = {}
+    if champion is not None and champion.acceptance is not None:
+        comparisons = compare_suites(inputs.acceptance, champion.acceptance)
+    gates = []
+    for suite, rows in suite_rows(inputs.acceptance).items():
+        name = f"no_regression[{suite}]"
+        measured = pooled_tau([rounds_of(row) for row in rows])
+        if champion is None:
+            gates.append(Gate(name, PASSED, measured, None, "no champion yet: nothing to regress against"))
+            continue
+        unlike = other_revision(champion, inputs.target_revision) or unreadable(champion)
+        comparison = comparisons.get(suite)
+        if unlike or not isinstance(comparison, SetComparison):
+            reason = unlike or f"champion v{champion.version}: {comparison.reason}"
+            gates.append(Gate(name, NOT_RUN, measured, None, reason))
+            continue
+        threshold = comparison.champion * (1.0 - max_regression)
+        context = f"champion v{champion.version} on the same prompts (registry.max_regression {max_regression})"
+        gates.append(regression_verdict(name, measured, threshold, comparison, context))
+    return gates
+
+
+def improvement_gate(inputs: GateInputs) -> Gate:
+    """A new champion must be better, not just no worse: some eval set (the reference prompts or a suite) gains
+    beyond the noise (the paired interval above zero). A gain inside the noise leaves the champion where it is."""
+    champion = inputs.champion
+    if champion is None:
+        return Gate("improvement", PASSED, None, 0.0, "no champion yet: the first version to pass becomes champion")
+    unlike = other_revision(champion, inputs.target_revision) or unreadable(champion)
+    if unlike:
+        return Gate("improvement", NOT_RUN, None, 0.0, unlike)
+    comparisons = list(compare_suites(inputs.acceptance, champion.acceptance).values())
+    if other_eval_set(champion, inputs.eval_fingerprint) is None:
+        comparisons.insert(0, compare_reference(inputs.acceptance, champion.acceptance))
+    compared = [comparison for comparison in comparisons if isinstance(comparison, SetComparison)]
+    if not compared:
+        reasons = "; ".join(f"{comparison.name}: {comparison.reason}" for comparison in comparisons)
+        return Gate("improvement", NOT_RUN, None, 0.0,
+                    f"no eval set measured alike by this version and champion v{champion.version}"
+                    + (f" ({reasons})" if reasons else ""))
+    best = max(compared, key=lambda comparison: comparison.difference.low)
+    listed = "; ".join(comparison.describe() for comparison in compared)
+    if best.significant_gain:
+        return Gate("improvement", PASSED, best.difference.low, 0.0,
+                    f"{best.name} gains beyond the noise (lower bound of the paired difference): {listed}")
+    return Gate("improvement", FAILED, best.difference.low, 0.0,
+                f"no eval set gains beyond the noise, so champion v{champion.version} stays (a gain inside the noise "
+                f"does not replace it): {listed}")
 
 
 # --- checkpoint checks (eaglet doctor) ------------------------------------------------------------------

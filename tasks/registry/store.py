@@ -14,8 +14,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from pydantic import ValidationError
+
 from contract.checkpoint import ENGINES, EXPORT_FILES
 from contract.config import RunConfig
+from contract.reports import AcceptanceReport
 from tasks.common.artifacts import atomic_directory
 from tasks.registry.gates import WAIVED, Champion
 
@@ -30,6 +33,8 @@ TAG_RECOMMENDED_SERVING = "eaglet.recommended_serving"
 #: JSON {gate family: reason} of the registry.waive_gates entries that let a gate through unmeasured ({}: none).
 TAG_WAIVERS = "eaglet.waivers"
 TAG_TARGET_REVISION = "contract.target_revision"
+#: Where a version's evaluation report lies among its logged model's artifacts (tasks/register.py logs it).
+ACCEPTANCE_ARTIFACT = "reports/acceptance.json"
 
 
 def alias_version(client: Any, name: str, alias: str) -> Optional[int]:
@@ -57,7 +62,23 @@ def current_champion(client: Any, name: str) -> Optional[Champion]:
     tags = client.get_model_version(name, str(version)).tags
     accept_length = tags.get(TAG_ACCEPT_LENGTH)
     return Champion(version, tags.get(TAG_TARGET_REVISION), tags.get(TAG_EVAL_FINGERPRINT),
-                    float(accept_length) if accept_length not in (None, "none") else None)
+                    float(accept_length) if accept_length not in (None, "none") else None,
+                    logged_acceptance(name, version))
+
+
+def logged_acceptance(name: str, version: int) -> Optional[AcceptanceReport]:
+    """The version's logged reports/acceptance.json (its per-prompt rounds, which the gates pair with the
+    candidate's); None when it cannot be fetched or no longer validates, which the gates report as not comparable."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory(prefix="eaglet-champion-") as staging:
+        try:
+            fetched = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"models:/{name}/{version}/{ACCEPTANCE_ARTIFACT}", dst_path=staging)
+            return AcceptanceReport.model_validate_json(Path(fetched).read_text(encoding="utf-8"))
+        except (MlflowException, OSError, ValidationError):
+            return None
 
 
 def promote_version(client: Any, name: str, version: int, reason: Optional[str] = None,

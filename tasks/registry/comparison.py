@@ -1,0 +1,124 @@
+"""A candidate against the champion on the same prompts, one eval set at a time, with paired bootstrap intervals.
+
+The gates must tell a real step back from the noise of a few dozen prompts: τ moves by a few hundredths between two
+drafters trained alike. So each eval set (the reference prompts, and each suite of `evaluation.sets`) is compared
+prompt by prompt: rows pair on the prompt's name and the hash of the token ids it decoded, the paired bootstrap
+(tasks/common/intervals.py) resamples the same prompts for both versions, and the difference's interval says
+whether the change is outside the noise. A set the champion measured on other prompts or other decode settings is
+not comparable, and says why. No I/O: tasks/register.py reads the champion's report and tasks/registry/gates.py
+turns these into gates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from contract.reports import AcceptanceReport, ModeAcceptance, PromptAcceptance
+from tasks.common.intervals import Interval, PromptRounds, paired_difference, pooled_tau, prompt_rounds
+
+#: The set of the reference prompts (the chain every version decodes, greedy equivalence included).
+REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class SetComparison:
+    """One eval set measured by both versions on the same prompts: both pooled τ and the paired difference."""
+
+    name: str
+    candidate: float
+    champion: float
+    difference: Interval  # τ(candidate) − τ(champion), paired bootstrap over the set's prompts
+
+    @property
+    def significant_drop(self) -> bool:
+        return self.difference.high < 0.0
+
+    @property
+    def significant_gain(self) -> bool:
+        return self.difference.low > 0.0
+
+    def describe(self) -> str:
+        difference = self.difference
+        return (f"{self.name}: {self.candidate:.3f} vs champion {self.champion:.3f}, difference "
+                f"{difference.estimate:+.3f} [{difference.low:+.3f}, {difference.high:+.3f}] over "
+                f"{difference.prompts} prompt{'s' if difference.prompts != 1 else ''}")
+
+
+@dataclass(frozen=True)
+class Incomparable:
+    """An eval set the two versions did not measure alike, and why."""
+
+    name: str
+    reason: str
+
+
+Comparison = Union[SetComparison, Incomparable]
+
+
+def suite_rows(acceptance: AcceptanceReport) -> dict[str, list[PromptAcceptance]]:
+    """The suites' per-prompt rows grouped by suite (their `source`), in report order; {} without suites."""
+    if acceptance.suites is None:
+        return {}
+    grouped: dict[str, list[PromptAcceptance]] = {}
+    for row in acceptance.suites.per_prompt:
+        grouped.setdefault(row.source or "unnamed", []).append(row)
+    return grouped
+
+
+def rounds_of(row: PromptAcceptance) -> PromptRounds:
+    return prompt_rounds(row.rounds, row.accepted_per_position)
+
+
+def settings_difference(candidate: AcceptanceReport, champion: AcceptanceReport,
+                        candidate_mode: ModeAcceptance, champion_mode: ModeAcceptance) -> Optional[str]:
+    """Why two reports' decodes are not alike (steps, budget, temperature), None when they are."""
+    pairs = {"evaluation.steps": (candidate_mode.steps, champion_mode.steps),
+             "evaluation.max_new_tokens": (candidate.max_new_tokens, champion.max_new_tokens),
+             "evaluation.temperature": (candidate.temperature, champion.temperature)}
+    differing = [f"{name} {ours} vs {theirs}" for name, (ours, theirs) in pairs.items() if ours != theirs]
+    return f"decoded with other settings ({', '.join(differing)})" if differing else None
+
+
+def compare_rows(name: str, candidate: list[PromptAcceptance], champion: list[PromptAcceptance],
+                 on_names: bool = False) -> Comparison:
+    """The paired comparison when both versions decoded exactly the same prompts: same names and token hashes, or
+    names alone when `on_names` (something else vouches for the tokens)."""
+    if not on_names and any(row.input_hash is None for row in champion):
+        return Incomparable(name, "the champion's rows carry no prompt hashes (evaluated before eaglet recorded them)")
+
+    def key(row: PromptAcceptance) -> tuple[str, Optional[str]]:
+        return (row.prompt, None if on_names else row.input_hash)
+
+    theirs = {key(row): row for row in champion}
+    ours = [key(row) for row in candidate]
+    if set(ours) != set(theirs) or len(set(ours)) != len(candidate) or len(theirs) != len(champion):
+        shared = len(set(ours) & set(theirs))
+        return Incomparable(name, f"measured on other prompts ({shared} of the candidate's {len(candidate)} prompts "
+                                  f"and the champion's {len(champion)} are the same)")
+    mine = [rounds_of(row) for row in candidate]
+    paired = [rounds_of(theirs[pair]) for pair in ours]
+    return SetComparison(name, pooled_tau(mine), pooled_tau(paired), paired_difference(mine, paired))
+
+
+def compare_reference(candidate: AcceptanceReport, champion: AcceptanceReport) -> Comparison:
+    """The reference prompts' chain. A champion evaluated before prompt hashes pairs on names: the registry's eval
+    fingerprint (checked first, by the gate) already vouches that both versions read the same reference prompts."""
+    differing = settings_difference(candidate, champion, candidate.chain, champion.chain)
+    if differing:
+        return Incomparable(REFERENCE, differing)
+    unhashed = any(row.input_hash is None for row in champion.chain.per_prompt)
+    return compare_rows(REFERENCE, candidate.chain.per_prompt, champion.chain.per_prompt, on_names=unhashed)
+
+
+def compare_suites(candidate: AcceptanceReport, champion: AcceptanceReport) -> dict[str, Comparison]:
+    """Each of the candidate's suites against the champion's suite of the same name."""
+    ours, theirs = suite_rows(candidate), suite_rows(champion)
+    comparisons: dict[str, Comparison] = {}
+    for name, rows in ours.items():
+        if name not in theirs:
+            comparisons[name] = Incomparable(name, "the champion was not evaluated on this suite")
+            continue
+        differing = settings_difference(candidate, champion, candidate.suites, champion.suites)
+        comparisons[name] = Incomparable(name, differing) if differing else compare_rows(name, rows, theirs[name])
+    return comparisons
