@@ -408,7 +408,8 @@ class EvaluationConfig(Section):
     """The evaluate stage. `max_prompts` records of `sources` are the reference prompts: decoded by the target alone
     (the proof of greedy equivalence), as a chain and as a tree, and replayed on the engine by the benchmark's
     agreement check. `sets` are the suites acceptance is reported on, per suite and category with intervals:
-    their prompts are decoded as a chain only (the reference prompts among them are not decoded twice)."""
+    their prompts are decoded as a chain only (the reference prompts among them are not decoded twice), by the evaluate
+    stage's decoder or, with `sets_on: engine`, replayed on the serving engine by the benchmark stage."""
 
     steps: int = Field(default=3, ge=1)
     topk: int = Field(default=1, ge=1)
@@ -420,6 +421,10 @@ class EvaluationConfig(Section):
     sources: Optional[list[str]] = Field(default=None, description="only held-out records of these sources")
     sets: list[EvalSet] = Field(default_factory=list, description="held-out suites reported per suite and category "
                                 "with 95 % intervals (empty: the reference prompts alone)")
+    sets_on: Literal["offline", "engine"] = Field(
+        default="offline", description="who decodes the suites of `sets`: offline (the evaluate stage's chain decoder, "
+        "prompt by prompt) or engine (the benchmark stage replays them, as token ids, on vLLM drafting this chain "
+        "and reads its per-position counters; the reference prompts stay offline: the agreement check's subset)")
     temperature: float = Field(default=0.0, ge=0.0)
 
     @field_validator("sets")
@@ -464,6 +469,10 @@ class BenchmarkConfig(Section):
         default="per_round", description="per_round: a fresh engine for every variant of every round, one at a time; "
         "once: each variant's engine starts once (ports runtime.engines.<engine>.port + 0, 1, ...) and stays up while "
         "the rounds alternate between them: fewer starts, so more rounds for the same time (idle engines hold memory)")
+    suite_concurrency: int = Field(
+        default=1, ge=1, description="prompts in flight while the engine replays evaluation.sets (sets_on: engine): 1 "
+        "reads the counters around each prompt (intervals over prompts); N > 1 around each group of N prompts of one "
+        "category (intervals over groups: faster, coarser)")
     num_speculative_tokens: list[int] = Field(
         default_factory=list,
         description="chain lengths served with the drafter, each measured against the same baselines; the best "
@@ -682,6 +691,19 @@ class RunConfig(Section):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="after")
+    def _suites_on_an_engine_need_one(self) -> "RunConfig":
+        """Suites measured on the engine need a benchmark engine that counts acceptance per draft position."""
+        if self.evaluation.sets_on != "engine":
+            return self
+        if not self.evaluation.sets:
+            raise ValueError("evaluation.sets_on is engine but evaluation.sets is empty: name the suites to replay")
+        if "vllm" not in self.benchmark.engines:
+            raise ValueError("evaluation.sets_on: engine replays the suites on vLLM (its per-position acceptance "
+                             f"counters); benchmark.engines is {self.benchmark.engines}: add vllm or set sets_on: "
+                             "offline")
+        return self
 
     @property
     def output_path(self) -> Path:

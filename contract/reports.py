@@ -191,6 +191,30 @@ class AgreementCheck(Report):
     per_prompt: Optional[list[dict[str, Any]]] = None
 
 
+class EngineSuites(Report):
+    """The suites of evaluation.sets replayed on the engine drafting the evaluation's chain (`evaluation.sets_on:
+    engine`): τ from its per-position counters, per suite and category, with 95 % bootstrap intervals over units (a
+    prompt, or a group of `concurrency` prompts of one category replayed together)."""
+
+    engine: str
+    steps: int
+    max_new_tokens: int
+    temperature: float
+    concurrency: int = Field(ge=1, description="prompts in flight: each unit's counters cover this many prompts")
+    unit: str = Field(description="what the intervals resample: prompts, or groups of prompts replayed together")
+    prompts: int
+    rounds: int = Field(ge=0, description="drafts the engine verified (one per verify round)")
+    mean_accept_length: float
+    mean_accept_length_interval: TauInterval
+    acceptance_by_position: list[float]
+    accepted_per_position: list[float]
+    buckets: dict[str, Bucket]
+    per_prompt: list[PromptAcceptance] = Field(description="one row per unit: a prompt, or a group named by its prompts")
+    generated_tokens: int
+    seconds: float
+    tokens_per_second: float
+
+
 class EngineReport(Report):
     """One engine: baseline, the recommended drafted setting, the sweep and every check."""
 
@@ -202,6 +226,7 @@ class EngineReport(Report):
     sweep: list[SweepRow]
     greedy: dict[str, Any]
     acceptance_check: AgreementCheck
+    suites: Optional[EngineSuites] = None
     failures: list[str]
 
 

@@ -69,8 +69,9 @@ from contract.config import RunConfig
 from contract.records import PromptRecord
 from contract.reports import AcceptanceReport, BenchmarkReport, load_report
 from tasks.common.artifacts import read_json, save_figure, write_json, write_jsonl
+from tasks.common.suite_summary import interval_metrics, plot_suites
 from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve, serve_together
-from tasks.data.held_out import eval_prompts, select_records, turn_prefixes
+from tasks.data.held_out import eval_prompts, select_records, set_prompts, turn_prefixes
 from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
 from tasks.serving.agreement import (AGREEMENT_CHECKS, agreement_verdict, engine_counts, offline_counts,
                                      run_agreement)
@@ -78,6 +79,7 @@ from tasks.serving.totals_agreement import engine_rounds, offline_rounds, replay
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
 from tasks.serving.serving_setting import ServingSetting, serving_sweep
 from tasks.serving.speedup_model import predicted_setting_speedup
+from tasks.serving.suite_replay import ReplayUnit, replay_suites, replay_units, suites_summary, units_label
 
 VARIANTS = ("baseline", "eagle3")
 #: One short request before measuring, so no level pays the engine's first-request costs.
@@ -101,13 +103,14 @@ class BenchmarkResult:
     requests_path: Path
     plot_path: Optional[Path]
     report: dict[str, Any]
+    suite_plots: list[Path] = field(default_factory=list)
 
     def summary(self) -> dict[str, float]:
         """Flat numbers for MLflow: per engine, per level and variant, and the acceptance."""
         return flat_metrics(self.report)
 
     def reports(self) -> list[Path]:
-        return [path for path in (self.report_path, self.plot_path) if path is not None]
+        return [path for path in (self.report_path, self.plot_path, *self.suite_plots) if path is not None]
 
 
 @dataclass
@@ -118,6 +121,7 @@ class VariantRun:
     report: dict[str, Any]
     results: dict[int, list[RequestResult]] = field(default_factory=dict)  # by concurrency
     round: int = 1
+    suites: Optional[dict[str, Any]] = None  # the suites' replay on this engine (rows, seconds, units), if it ran them
 
 
 def run(cfg: RunConfig) -> BenchmarkResult:
@@ -135,7 +139,8 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     steps = cfg.evaluation.steps  # the offline evaluation's chain length: both measure the same drafting
     sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens,
                         chat_template_kwargs=dict(cfg.model.chat_template_kwargs))
-    agreement = AgreementRun(agreement_prompts(cfg), cfg.evaluation.max_new_tokens, cfg.evaluation.temperature, steps)
+    agreement = AgreementRun(agreement_prompts(cfg), cfg.evaluation.max_new_tokens, cfg.evaluation.temperature, steps,
+                             suite_units(cfg))
 
     engines: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
@@ -231,21 +236,37 @@ def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optiona
 
 @dataclass(frozen=True)
 class AgreementRun:
-    """The offline evaluation's prompts, budget, temperature and chain length, replayed on the drafting engine."""
+    """The offline evaluation's prompts, budget, temperature and chain length, replayed on the drafting engine; with
+    `evaluation.sets_on: engine` the suites' units too (tasks/serving/suite_replay.py)."""
 
     prompts: list[Any]
     max_tokens: int
     temperature: float
     steps: int
+    suite_units: list[ReplayUnit] = field(default_factory=list)
 
     def on(self, setting: ServingSetting, round_number: int) -> Optional["AgreementRun"]:
         """Itself for the engine drafting the evaluation's chain in the first round; None for every other."""
-        wanted = self.prompts and setting == ServingSetting(self.steps) and round_number == 1
+        wanted = (self.prompts or self.suite_units) and setting == ServingSetting(self.steps) and round_number == 1
         return self if wanted else None
 
     def without_prompts(self) -> "AgreementRun":
         """The same settings, replaying nothing (an engine no agreement check can measure)."""
         return AgreementRun([], self.max_tokens, self.temperature, self.steps)
+
+
+def suite_units(cfg: RunConfig) -> list[ReplayUnit]:
+    """With `evaluation.sets_on: engine`, the suites' prompts (rendered as evaluate renders them) in units of
+    `benchmark.suite_concurrency`; none otherwise."""
+    from tasks.common.target_info import load_tokenizer
+
+    settings = cfg.evaluation
+    if settings.sets_on != "engine":
+        return []
+    out = cfg.output_path
+    tokenizer = load_tokenizer(out / "target", cfg.model)
+    prompts = set_prompts(out / "data" / "eval.jsonl", tokenizer, cfg.validation.max_length, settings.sets)
+    return replay_units(prompts, cfg.benchmark.suite_concurrency)
 
 
 def agreement_prompts(cfg: RunConfig) -> list[Any]:
@@ -340,8 +361,11 @@ def measure_levels(cfg: RunConfig, kind: EngineKind, engine: RunningEngine, vari
             measured.report["levels"].append(level)
             measured.results[concurrency] = results
     measured.report["peak_rss_mib"] = memory.peak_bytes / 2**20
-    if agreement is not None:
+    if agreement is not None and agreement.prompts:
         measured.report["agreement"] = replay_agreement(engine, kind, agreement)
+    if agreement is not None and agreement.suite_units and kind == "vllm":
+        replayed = replay_suites(engine, kind, agreement.suite_units, agreement.max_tokens, agreement.temperature)
+        measured.suites = {**replayed, "units": agreement.suite_units}
     return measured
 
 
@@ -451,6 +475,7 @@ def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafte
     if contract["status"] == "failed":
         failures.append(contract["reason"])
     best = recommended_setting(cfg, per_setting)
+    suites = engine_suites(cfg, kind, drafted.get(offline_chain, []), steps)
     return {
         "baseline": combine_rounds(baselines),
         "num_speculative_tokens": best.steps if best.is_chain else None,
@@ -465,8 +490,18 @@ def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafte
                   for setting, entry in per_setting.items()],
         "greedy": greedy,
         "acceptance_check": contract,
+        **({"suites": suites} if suites is not None else {}),
         "failures": failures,
     }
+
+
+def engine_suites(cfg: RunConfig, kind: str, runs: list[VariantRun], steps: int) -> Optional[dict[str, Any]]:
+    """The suites as the engine drafting the evaluation's chain measured them (first round), None when it did not."""
+    replay = next((measured.suites for measured in runs if measured.suites is not None), None)
+    if replay is None:
+        return None
+    return suites_summary(kind, replay, replay["units"], steps, cfg.evaluation.max_new_tokens,
+                          cfg.evaluation.temperature, cfg.benchmark.suite_concurrency)
 
 
 def setting_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], runs: list[VariantRun],
@@ -677,8 +712,12 @@ def write_outputs(directory: Path, report: dict[str, Any], rows: list[dict[str, 
     requests_path = directory / "requests.jsonl"
     write_jsonl(requests_path, rows)
     plot_path = plot_serving(report, directory / "serving.png")
+    suite_plots = [plot_suites(engine["suites"], directory / f"acceptance_by_suite_{kind}.png", f"{kind} engine",
+                               units_label(engine["suites"]["concurrency"]))
+                   for kind, engine in report["engines"].items() if "suites" in engine]
     write_json(report_path, report)
-    return BenchmarkResult(report_path=report_path, requests_path=requests_path, plot_path=plot_path, report=report)
+    return BenchmarkResult(report_path=report_path, requests_path=requests_path, plot_path=plot_path, report=report,
+                           suite_plots=suite_plots)
 
 
 def plot_serving(report: dict[str, Any], path: Path) -> Optional[Path]:
@@ -759,6 +798,9 @@ def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
         for position, rate in enumerate(speculative["acceptance_rate_per_position"]):
             metrics[f"{kind}_acceptance_rate_pos{position}"] = rate
         metrics[f"{kind}_greedy_mismatches"] = len(engine["greedy"].get("mismatches", []))
+        if "suites" in engine:
+            metrics.update(interval_metrics(f"{kind}_suites", engine["suites"]))
+            metrics[f"{kind}_suites_tokens_per_second"] = engine["suites"]["tokens_per_second"]
     return {name: float(value) for name, value in metrics.items() if value is not None}
 
 

@@ -15,7 +15,8 @@ report is written, naming the prompts. Those are the reference prompts (`evaluat
 `evaluation.sources`). The suites of `evaluation.sets` (MT-bench's categories, GSM8K, HumanEval, ...: records
 spread over each suite's categories) are decoded as the chain alone, their prompts among the reference ones not
 twice, and reported as the `suites` section: τ per suite and category with 95 % bootstrap intervals over prompts
-(tasks/common/intervals.py).
+(tasks/common/intervals.py). With `evaluation.sets_on: engine` the suites are the benchmark stage's to measure on
+vLLM (tasks/serving/suite_replay.py) and this stage decodes the reference prompts alone.
 
 Writes `evaluate/acceptance.json` (contract/reports.py's AcceptanceReport, validated before writing; per mode: mean
 acceptance length, acceptance by depth, accepted-length histogram, drafted tokens per round, draft/verify time split,
@@ -27,8 +28,6 @@ benchmark's engine agreement checks compare with; buckets by source, category an
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +36,10 @@ from typing import Any, Optional
 import torch
 
 from contract.config import RunConfig
-from contract.hashing import hash_text
 from contract.reports import AcceptanceReport, ModeAcceptance
 from tasks.common.artifacts import read_json, save_figure, write_json
 from tasks.common.intervals import PromptRounds, tau_interval
+from tasks.common.suite_summary import bucket_names, bucket_report, interval_metrics, plot_suites, prompt_hash
 from tasks.common.progress import advance, progress_bar
 from tasks.common.target_info import load_target_model, load_tokenizer
 from tasks.data.held_out import EvalPrompt, eval_prompts, set_prompts
@@ -89,8 +88,7 @@ class ModeTotals:
                                 "input_hash": prompt_hash(prompt.input_ids)})
         rounds = PromptRounds(float(sum(stats.accept_lengths)), float(len(stats.accept_lengths)))
         self.prompts.append(rounds)
-        for bucket in (f"source={prompt.source}", f"category={prompt.category}",
-                       f"prompt_tokens{prompt.length_bucket}", f"turn={prompt.turn}"):
+        for bucket in bucket_names(prompt.source, prompt.category, prompt.length_bucket, prompt.turn):
             self.buckets.setdefault(bucket, []).append(rounds)
 
     def report(self, target_tokens_per_second: float) -> ModeAcceptance:
@@ -119,18 +117,6 @@ class ModeTotals:
         })
 
 
-def bucket_report(prompts: list[PromptRounds]) -> dict[str, Any]:
-    """A bucket's pooled τ over its prompts' rounds, with its bootstrap interval over those prompts."""
-    interval = tau_interval(prompts)
-    return {"rounds": int(sum(prompt.rounds for prompt in prompts)), "mean_accept_length": interval.estimate,
-            "prompts": interval.prompts, "low": interval.low, "high": interval.high}
-
-
-def prompt_hash(input_ids: list[int]) -> str:
-    """What a prompt's rounds are paired on across versions: the token ids it decoded from, not its name."""
-    return hash_text(json.dumps(input_ids))
-
-
 def accepted_counts(accept_lengths: list[int], steps: int) -> list[int]:
     """Rounds that accepted the draft token at each position 1..steps (position d needs d accepted tokens): the
     counts engines report per position (vLLM's spec_decode_num_accepted_tokens_per_pos)."""
@@ -155,11 +141,7 @@ class EvaluationResult:
             mode = self.report.get(name)
             if not mode:
                 continue
-            numbers[f"{name}_mean_accept_length"] = mode["mean_accept_length"]
-            numbers[f"{name}_mean_accept_length_low"] = mode["mean_accept_length_interval"]["low"]
-            numbers[f"{name}_mean_accept_length_high"] = mode["mean_accept_length_interval"]["high"]
-            for bucket, values in suite_buckets(mode).items():
-                numbers[f"{name}_mean_accept_length.{metric_name(bucket)}"] = values["mean_accept_length"]
+            numbers.update(interval_metrics(name, mode))
             numbers[f"{name}_tokens_per_target_forward"] = mode["tokens_per_target_forward"]
             numbers[f"{name}_tokens_per_second"] = mode["tokens_per_second"]
             for depth, rate in enumerate(mode["acceptance_by_depth"], start=1):
@@ -168,20 +150,6 @@ class EvaluationResult:
 
     def reports(self) -> list[Path]:
         return [self.report_path, *self.plots]
-
-
-def suite_buckets(mode: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The mode's source (suite) buckets, then its category buckets: the ones a user picks a drafter by."""
-    chosen = {}
-    for kind in ("source=", "category="):
-        chosen.update({name: values for name, values in mode["buckets"].items()
-                       if name.startswith(kind) and name != "category=-"})
-    return chosen
-
-
-def metric_name(bucket: str) -> str:
-    """`category=writing` as an MLflow metric name part (letters, digits, _ - . / only): `category.writing`."""
-    return re.sub(r"[^A-Za-z0-9_./-]", "_", bucket.replace("=", "."))
 
 
 def decode_modes(cfg: RunConfig) -> list[DecodeMode]:
@@ -219,7 +187,8 @@ def run(cfg: RunConfig) -> EvaluationResult:
     draft = load_drafter(cfg, target)
     prompts = eval_prompts(out / "data" / "eval.jsonl", tokenizer, cfg.validation.max_length, settings.max_prompts,
                            settings.sources)
-    suite_prompts = set_prompts(out / "data" / "eval.jsonl", tokenizer, cfg.validation.max_length, settings.sets)
+    offline_sets = settings.sets if settings.sets_on == "offline" else []  # else the benchmark replays them
+    suite_prompts = set_prompts(out / "data" / "eval.jsonl", tokenizer, cfg.validation.max_length, offline_sets)
     suite_keys = {prompt.key for prompt in suite_prompts}
     reference_keys = {prompt.key for prompt in prompts}
     suite_only = [prompt for prompt in suite_prompts if prompt.key not in reference_keys]
@@ -228,7 +197,7 @@ def run(cfg: RunConfig) -> EvaluationResult:
     decoders = {mode.name: SpeculativeDecoder(target, draft, steps=mode.steps, topk=mode.topk,
                                               num_draft_tokens=mode.num_draft_tokens) for mode in modes}
     totals = {mode.name: ModeTotals(mode) for mode in modes}
-    suites = ModeTotals(modes[0]) if settings.sets else None  # the chain, over every set's prompts
+    suites = ModeTotals(modes[0]) if offline_sets else None  # the chain, over every set's prompts
     baseline_tokens, baseline_seconds = 0, 0.0
     mismatches: list[dict[str, Any]] = []
     with progress_bar("evaluate", len(prompts) * (1 + len(modes)) + len(suite_only)) as bar:
@@ -322,23 +291,3 @@ def plot_acceptance(report: dict[str, Any], directory: Path) -> list[Path]:
     paths.append(save_figure(figure, directory / "accept_length_histogram.png"))
     paths.append(plot_suites(report.get("suites") or report["chain"], directory / "acceptance_by_suite.png"))
     return paths
-
-
-def plot_suites(chain: dict[str, Any], path: Path) -> Path:
-    """The chain's τ over all prompts, per source and per category, each with its 95 % bootstrap interval."""
-    import matplotlib.pyplot as plt
-
-    rows = [("all", chain["mean_accept_length"], chain["mean_accept_length_interval"]["low"],
-             chain["mean_accept_length_interval"]["high"], chain["mean_accept_length_interval"]["prompts"])]
-    rows += [(name, values["mean_accept_length"], values["low"], values["high"], values["prompts"])
-             for name, values in suite_buckets(chain).items()]
-    figure, axis = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))
-    positions = list(range(len(rows)))[::-1]
-    estimates = [row[1] for row in rows]
-    axis.errorbar(estimates, positions, xerr=[[row[1] - row[2] for row in rows], [row[3] - row[1] for row in rows]],
-                  fmt="o", capsize=3)
-    axis.set_yticks(positions)
-    axis.set_yticklabels([f"{row[0]} ({row[4]})" for row in rows])
-    axis.set_xlabel(f"tau, chain of {chain['steps']} (95 % bootstrap interval over prompts)")
-    axis.set_title("Acceptance length per suite and category (prompts)")
-    return save_figure(figure, path)

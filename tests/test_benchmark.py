@@ -264,6 +264,65 @@ def test_vllm_acceptance_comes_from_counter_differences() -> None:
     assert overall["mean_accept_length"] == pytest.approx(2.5)
 
 
+class CountingEngine:
+    """A drafting engine's counters as vLLM 0.32 writes them: each completed prompt adds its scripted drafts and
+    accepted tokens (prompt id -> (drafts, accepted at positions 1..3, completion tokens))."""
+
+    def __init__(self, script: dict[int, tuple[int, tuple[int, int, int], int]]) -> None:
+        self.script = script
+        self.totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos0": 0, "pos1": 0, "pos2": 0}
+
+    def read_metrics(self) -> dict[str, float]:
+        return vllm_metrics(**self.totals)
+
+    def complete(self, prompt: Any) -> dict[str, Any]:
+        drafts, accepted, emitted = self.script[prompt.input_ids[0]]
+        self.totals["drafts"] += drafts
+        self.totals["draft_tokens"] += 3 * drafts
+        self.totals["accepted"] += sum(accepted)
+        for position, count in enumerate(accepted):
+            self.totals[f"pos{position}"] += count
+        return {"choices": [{"text": "..."}], "usage": {"completion_tokens": emitted}}
+
+
+def test_suites_replay_in_units_of_one_category_and_count_each_units_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tasks.data.held_out import EvalPrompt
+    from tasks.serving import suite_replay
+
+    categories = ["writing", "math", "writing", "math", "writing", "-"]
+    prompts = [EvalPrompt(f"mtbench:{index}", 1, "mtbench" if index < 5 else "gsm8k", category, [index, 7])
+               for index, category in enumerate(categories)]
+    units = suite_replay.replay_units(prompts, concurrency=2)
+    assert [unit.key for unit in units] == ["mtbench:0#turn1+mtbench:2#turn1", "mtbench:4#turn1",
+                                            "mtbench:1#turn1+mtbench:3#turn1", "mtbench:5#turn1"]
+    assert [len(unit.prompts) for unit in suite_replay.replay_units(prompts, concurrency=1)] == [1] * 6
+
+    script = {0: (10, (5, 2, 1), 20), 1: (8, (0, 0, 0), 8), 2: (6, (6, 6, 3), 24), 3: (4, (1, 0, 0), 5),
+              4: (5, (2, 1, 0), 9), 5: (9, (4, 4, 4), 30)}
+    engine = CountingEngine(script)
+
+    async def scripted(_engine: Any, unit_prompts: Any, max_tokens: int, temperature: float) -> list[dict[str, Any]]:
+        assert (max_tokens, temperature) == (32, 0.0)
+        return [engine.complete(prompt) for prompt in unit_prompts]
+
+    monkeypatch.setattr(suite_replay, "complete_all", scripted)
+    replay = suite_replay.replay_suites(engine, "vllm", units, 32, 0.0)
+    rows = replay["rows"]
+    assert [(row["rounds"], row["accepted_per_position"], row["generated_tokens"]) for row in rows] == [
+        (16, [11, 8, 4], 44), (5, [2, 1, 0], 9), (12, [1, 0, 0], 13), (9, [4, 4, 4], 30)]
+    assert rows[0]["input_hash"] == units[0].input_hash != suite_replay.replay_units(prompts, 1)[0].input_hash
+
+    summary = suite_replay.suites_summary("vllm", replay, units, steps=3, max_tokens=32, temperature=0.0,
+                                          concurrency=2)
+    assert summary["unit"] == "groups of up to 2 prompts" and summary["prompts"] == 6 and summary["rounds"] == 42
+    assert summary["mean_accept_length"] == pytest.approx(1 + 39 / 42)
+    assert summary["acceptance_by_position"] == pytest.approx([18 / 42, 13 / 42, 8 / 42])
+    writing = summary["buckets"]["category=writing"]
+    assert writing["prompts"] == 2 and writing["mean_accept_length"] == pytest.approx(1 + (23 + 3) / 21)
+    assert summary["buckets"]["source=gsm8k"]["prompts"] == 1 and "turn=1" not in summary["buckets"], \
+        "a group shares its suite and category only"
+
+
 def test_sglang_acceptance_comes_from_its_gauges() -> None:
     metrics = parse_prometheus(
         'sglang:spec_accept_length{dp_rank="0",model_name="m",tp_rank="0"} 2.5\n'
@@ -461,7 +520,7 @@ def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path,
         "capture": {"aux_layer_ids": [1, 2, 3], "dtype": "float32", "draft_vocab_size": 128},
         "training": {"ttt_length": 3, "learning_rate": 3e-3, "tokens_per_step": 64, "epochs": 8, "warmup_ratio": 0.1,
                      "save_interval": 1000, "eval_interval": 1000},
-        "evaluation": {"steps": 3, "max_new_tokens": 16},
+        "evaluation": {"steps": 3, "max_new_tokens": 16, "sets": [{"source": "chats"}], "sets_on": "engine"},
         "benchmark": {"engines": ["vllm"], "concurrency": [1, 2], "num_requests": 4, "max_tokens": 16},
         "registry": {"agreement_min_drafts": 20},  # 6 prompts of 16 tokens: ~30 drafts at this acceptance
         "runtime": {"engines": {"vllm": {"python": str(vllm_python), "port": free_port(),
@@ -506,16 +565,41 @@ def test_vllm_serves_the_drafter_faithfully_and_the_report_says_so(drafted_run: 
     assert check["status"] == "ok", "aux layers as trained: vLLM reads the export's ids as (layer + 1)"
     assert check["min_p_value"] >= cfg.registry.agreement_alpha and len(check["positions"]) == 3
     assert check["prompts"] == len(check["per_prompt"]) and check["offline_mean_accept_length"] == pytest.approx(offline)
+    check_suites_on_the_engine(cfg, vllm)
 
     summary = result.summary()
     assert summary["vllm_mean_accept_length"] == speculative["mean_accept_length"]
     assert {"vllm_c1_speedup", "vllm_c2_eagle3_tpot_p50_ms", "vllm_acceptance_rate_pos0"} <= set(summary)
+    assert summary["vllm_suites_mean_accept_length.source.chats"] == vllm["suites"]["mean_accept_length"]
+    assert result.reports()[-1].name == "acceptance_by_suite_vllm.png", "logged to MLflow with the report"
     assert result.plot_path.is_file() and result.plot_path.stat().st_size > 0
     rows = [json.loads(line) for line in result.requests_path.read_text().splitlines()]
     assert len(rows) == 2 * 2 * 4 and all(row["error"] is None for row in rows)
     print(f"\nagreement:\n{agreement_table(check)}")
     print(f"\nengine accept length {speculative['mean_accept_length']:.2f}, offline {offline:.2f}; "
           f"speedup {vllm['speedup']}")
+
+
+def check_suites_on_the_engine(cfg: RunConfig, vllm: dict[str, Any]) -> None:
+    """evaluation.sets_on: engine: every suite prompt replayed on the drafting engine, one at a time; a prompt the
+    agreement run also replayed (same engine, same ids, greedy) reads the very same counters."""
+    suites = vllm["suites"]
+    assert suites["engine"] == "vllm" and suites["steps"] == 3 and suites["unit"] == "prompts"
+    assert suites["prompts"] == 6 and [row["prompt"] for row in suites["per_prompt"]] == [
+        f"chats:{index}#turn1" for index in range(6)]
+    assert suites["mean_accept_length"] > 1.5 and suites["rounds"] == sum(row["rounds"] for row in suites["per_prompt"])
+    interval = suites["mean_accept_length_interval"]
+    assert interval["prompts"] == 6 and interval["low"] <= suites["mean_accept_length"] <= interval["high"]
+    assert suites["buckets"]["source=chats"]["prompts"] == 6 and suites["tokens_per_second"] > 0
+    replayed = {row["prompt"]: row["engine"] for row in vllm["acceptance_check"]["per_prompt"]}
+    for row in suites["per_prompt"]:
+        if row["prompt"] in replayed:
+            engine = replayed[row["prompt"]]
+            assert row["rounds"] == engine["drafts"] and row["accepted_per_position"] == engine["accepted_per_position"]
+            assert row["generated_tokens"] == engine["output_tokens"] and row["source"] == "chats"
+    offline = json.loads((cfg.output_path / "evaluate" / "acceptance.json").read_text())
+    assert "suites" not in offline, "the suites are the engine's to measure"
+    assert (cfg.output_path / "benchmark" / "acceptance_by_suite_vllm.png").stat().st_size > 1000
 
 
 def agreement_table(check: dict[str, Any]) -> str:

@@ -273,6 +273,43 @@ def test_each_suite_is_gated_on_its_own_prompts() -> None:
     assert unlike["no_regression[mtbench]"].status == "passed"
 
 
+def served_with_suites(suites: dict[str, list[float]], unit: str = "prompts") -> dict[str, Any]:
+    """A passing vLLM benchmark whose engine replayed `suites` (evaluation.sets_on: engine), suite -> each unit's τ."""
+    rows = [row for name, taus in suites.items() for row in prompt_rows(taus, name, prefix=name)]
+    rounds = sum(row["rounds"] for row in rows)
+    replayed = {"engine": "vllm", "steps": 3, "max_new_tokens": 32, "temperature": 0.0, "concurrency": 1, "unit": unit,
+                "prompts": len(rows), "rounds": rounds, "mean_accept_length": 2.0,
+                "mean_accept_length_interval": {"low": 1.9, "high": 2.1, "prompts": len(rows)},
+                "acceptance_by_position": [0.5, 0.3, 0.2], "accepted_per_position": [1.0, 1.0, 1.0], "buckets": {},
+                "per_prompt": rows, "generated_tokens": 100, "seconds": 10.0, "tokens_per_second": 10.0}
+    report = serving()
+    report["engines"]["vllm"]["suites"] = replayed
+    return report
+
+
+def test_suites_measured_on_the_engine_are_gated_against_the_champions_engine_suites() -> None:
+    champion_suites = {"mtbench": [1.5] * 8, "gsm8k": [1.8] * 8}
+    engine_champion = Champion(1, "rev", "evalset", 1.95, AcceptanceReport.model_validate(accept_length(1.95)),
+                               BenchmarkReport.model_validate(served_with_suites(champion_suites)))
+    candidate = served_with_suites({"mtbench": [1.7] * 8, "gsm8k": [1.6] * 8})
+    gates = {gate.name: gate for gate in evaluate_gates(good_inputs(serving=candidate, champion=engine_champion),
+                                                        SETTINGS)}
+    assert gates["no_regression[gsm8k]"].status == "failed" and gates["no_regression[mtbench]"].status == "passed"
+    assert "both by the vllm engine" in gates["no_regression[gsm8k]"].detail
+    assert gates["improvement"].status == "passed", "the reference prompts gained 0.05 on every prompt"
+
+    offline_champion = champion(1.95, suites=champion_suites)
+    gates = {gate.name: gate for gate in evaluate_gates(good_inputs(serving=candidate, champion=offline_champion),
+                                                        SETTINGS)}
+    assert gates["no_regression[gsm8k]"].status == NOT_RUN
+    assert gates["no_regression[gsm8k]"].detail == (
+        "champion v1: measured otherwise (measured by vllm engine vs offline decoder)")
+    grouped = served_with_suites({"mtbench": [1.7] * 8, "gsm8k": [1.6] * 8}, unit="groups of up to 4 prompts")
+    gates = {gate.name: gate for gate in evaluate_gates(good_inputs(serving=grouped, champion=engine_champion),
+                                                        SETTINGS)}
+    assert "unit groups of up to 4 prompts vs prompts" in gates["no_regression[mtbench]"].detail
+
+
 def test_a_champion_without_readable_rounds_or_prompt_hashes() -> None:
     unreadable = Champion(1, "rev", "evalset", 1.95)
     gates = {gate.name: gate for gate in evaluate_gates(good_inputs(champion=unreadable), SETTINGS)}

@@ -12,9 +12,9 @@ turns these into gates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
-from contract.reports import AcceptanceReport, ModeAcceptance, PromptAcceptance
+from contract.reports import AcceptanceReport, BenchmarkReport, ModeAcceptance, PromptAcceptance
 from tasks.common.intervals import Interval, PromptRounds, paired_difference, pooled_tau, prompt_rounds
 
 #: The set of the reference prompts (the chain every version decodes, greedy equivalence included).
@@ -56,14 +56,45 @@ class Incomparable:
 Comparison = Union[SetComparison, Incomparable]
 
 
-def suite_rows(acceptance: AcceptanceReport) -> dict[str, list[PromptAcceptance]]:
-    """The suites' per-prompt rows grouped by suite (their `source`), in report order; {} without suites."""
-    if acceptance.suites is None:
-        return {}
+@dataclass(frozen=True)
+class SuiteRounds:
+    """A version's suites as measured: by whom and how (two versions pair only when all of it is equal), and each
+    suite's per-unit rows."""
+
+    measured_by: str
+    steps: int
+    max_new_tokens: int
+    temperature: float
+    unit: str
+    rows: dict[str, list[PromptAcceptance]]
+
+    def settings(self) -> dict[str, Any]:
+        return {"measured by": self.measured_by, "evaluation.steps": self.steps,
+                "evaluation.max_new_tokens": self.max_new_tokens, "evaluation.temperature": self.temperature,
+                "unit": self.unit}
+
+
+def by_suite(rows: list[PromptAcceptance]) -> dict[str, list[PromptAcceptance]]:
+    """Rows grouped by suite (their `source`), in report order."""
     grouped: dict[str, list[PromptAcceptance]] = {}
-    for row in acceptance.suites.per_prompt:
+    for row in rows:
         grouped.setdefault(row.source or "unnamed", []).append(row)
     return grouped
+
+
+def measured_suites(acceptance: AcceptanceReport, serving: Optional[BenchmarkReport]) -> Optional[SuiteRounds]:
+    """The suites where the run measured them: replayed on an engine (`evaluation.sets_on: engine`, the benchmark
+    report), else decoded offline (the evaluate report); None without suites."""
+    engines = serving.engines if serving is not None else {}
+    for kind, engine in sorted(engines.items()):
+        suites = engine.suites
+        if suites is not None:
+            return SuiteRounds(f"{kind} engine", suites.steps, suites.max_new_tokens, suites.temperature, suites.unit,
+                               by_suite(suites.per_prompt))
+    if acceptance.suites is None:
+        return None
+    return SuiteRounds("offline decoder", acceptance.suites.steps, acceptance.max_new_tokens, acceptance.temperature,
+                       "prompts", by_suite(acceptance.suites.per_prompt))
 
 
 def rounds_of(row: PromptAcceptance) -> PromptRounds:
@@ -111,14 +142,19 @@ def compare_reference(candidate: AcceptanceReport, champion: AcceptanceReport) -
     return compare_rows(REFERENCE, candidate.chain.per_prompt, champion.chain.per_prompt, on_names=unhashed)
 
 
-def compare_suites(candidate: AcceptanceReport, champion: AcceptanceReport) -> dict[str, Comparison]:
-    """Each of the candidate's suites against the champion's suite of the same name."""
-    ours, theirs = suite_rows(candidate), suite_rows(champion)
+def compare_suites(candidate: Optional[SuiteRounds], champion: Optional[SuiteRounds]) -> dict[str, Comparison]:
+    """Each of the candidate's suites against the champion's suite of the same name, measured alike."""
+    if candidate is None:
+        return {}
     comparisons: dict[str, Comparison] = {}
-    for name, rows in ours.items():
-        if name not in theirs:
+    for name, rows in candidate.rows.items():
+        if champion is None or name not in champion.rows:
             comparisons[name] = Incomparable(name, "the champion was not evaluated on this suite")
             continue
-        differing = settings_difference(candidate, champion, candidate.suites, champion.suites)
-        comparisons[name] = Incomparable(name, differing) if differing else compare_rows(name, rows, theirs[name])
+        ours, theirs = candidate.settings(), champion.settings()
+        differing = [f"{key} {ours[key]} vs {theirs[key]}" for key in ours if ours[key] != theirs[key]]
+        if differing:
+            comparisons[name] = Incomparable(name, f"measured otherwise ({', '.join(differing)})")
+        else:
+            comparisons[name] = compare_rows(name, rows, champion.rows[name])
     return comparisons

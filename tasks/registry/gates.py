@@ -24,8 +24,8 @@ from contract.checkpoint import CheckpointContract, ContractMismatch, check_agai
 from contract.config import RegistryConfig
 from contract.reports import AcceptanceReport, AgreementCheck, BenchmarkReport, SpeedupRow
 from tasks.common.intervals import pooled_tau
-from tasks.registry.comparison import (Comparison, SetComparison, compare_reference, compare_suites, rounds_of,
-                                       suite_rows)
+from tasks.registry.comparison import (Comparison, SetComparison, SuiteRounds, compare_reference, compare_suites,
+                                       measured_suites, rounds_of)
 
 PASSED, FAILED, NOT_RUN, WAIVED = "passed", "failed", "not run", "waived"
 GateStatus = Literal["passed", "failed", "not run", "waived"]
@@ -93,6 +93,10 @@ class Champion:
     eval_fingerprint: Optional[str]
     offline_accept_length: Optional[float]
     acceptance: Optional[AcceptanceReport] = None  # its logged reports/acceptance.json: per-prompt rounds to pair
+    serving: Optional[BenchmarkReport] = None  # its logged reports/serving.json: the suites replayed on an engine
+
+    def suites(self) -> Optional[SuiteRounds]:
+        return measured_suites(self.acceptance, self.serving) if self.acceptance is not None else None
 
 
 @dataclass(frozen=True)
@@ -309,25 +313,27 @@ def suite_regression_gates(inputs: GateInputs, max_regression: float) -> list[Ga
     """`no_regression[<suite>]` per suite of evaluation.sets: the same rule as the reference prompts', on the suite's
     prompts; a suite the champion did not measure alike is not comparable and says why."""
     champion = inputs.champion
+    measured = measured_suites(inputs.acceptance, inputs.serving)
     comparisons: dict[str, Comparison] = {}
     if champion is not None and champion.acceptance is not None:
-        comparisons = compare_suites(inputs.acceptance, champion.acceptance)
+        comparisons = compare_suites(measured, champion.suites())
     gates = []
-    for suite, rows in suite_rows(inputs.acceptance).items():
+    for suite, rows in (measured.rows if measured is not None else {}).items():
         name = f"no_regression[{suite}]"
-        measured = pooled_tau([rounds_of(row) for row in rows])
+        tau = pooled_tau([rounds_of(row) for row in rows])
         if champion is None:
-            gates.append(Gate(name, PASSED, measured, None, "no champion yet: nothing to regress against"))
+            gates.append(Gate(name, PASSED, tau, None, "no champion yet: nothing to regress against"))
             continue
         unlike = other_revision(champion, inputs.target_revision) or unreadable(champion)
         comparison = comparisons.get(suite)
         if unlike or not isinstance(comparison, SetComparison):
             reason = unlike or f"champion v{champion.version}: {comparison.reason}"
-            gates.append(Gate(name, NOT_RUN, measured, None, reason))
+            gates.append(Gate(name, NOT_RUN, tau, None, reason))
             continue
         threshold = comparison.champion * (1.0 - max_regression)
-        context = f"champion v{champion.version} on the same prompts (registry.max_regression {max_regression})"
-        gates.append(regression_verdict(name, measured, threshold, comparison, context))
+        context = (f"champion v{champion.version} on the same prompts, both by the {measured.measured_by} "
+                   f"(registry.max_regression {max_regression})")
+        gates.append(regression_verdict(name, tau, threshold, comparison, context))
     return gates
 
 
@@ -340,7 +346,7 @@ def improvement_gate(inputs: GateInputs) -> Gate:
     unlike = other_revision(champion, inputs.target_revision) or unreadable(champion)
     if unlike:
         return Gate("improvement", NOT_RUN, None, 0.0, unlike)
-    comparisons = list(compare_suites(inputs.acceptance, champion.acceptance).values())
+    comparisons = list(compare_suites(measured_suites(inputs.acceptance, inputs.serving), champion.suites()).values())
     if other_eval_set(champion, inputs.eval_fingerprint) is None:
         comparisons.insert(0, compare_reference(inputs.acceptance, champion.acceptance))
     compared = [comparison for comparison in comparisons if isinstance(comparison, SetComparison)]

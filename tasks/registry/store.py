@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from contract.checkpoint import ENGINES, EXPORT_FILES
 from contract.config import RunConfig
-from contract.reports import AcceptanceReport
+from contract.reports import AcceptanceReport, BenchmarkReport, ReportType
 from tasks.common.artifacts import atomic_directory
 from tasks.registry.gates import WAIVED, Champion
 
@@ -35,6 +35,7 @@ TAG_WAIVERS = "eaglet.waivers"
 TAG_TARGET_REVISION = "contract.target_revision"
 #: Where a version's evaluation report lies among its logged model's artifacts (tasks/register.py logs it).
 ACCEPTANCE_ARTIFACT = "reports/acceptance.json"
+SERVING_ARTIFACT = "reports/serving.json"
 
 
 def alias_version(client: Any, name: str, alias: str) -> Optional[int]:
@@ -63,20 +64,21 @@ def current_champion(client: Any, name: str) -> Optional[Champion]:
     accept_length = tags.get(TAG_ACCEPT_LENGTH)
     return Champion(version, tags.get(TAG_TARGET_REVISION), tags.get(TAG_EVAL_FINGERPRINT),
                     float(accept_length) if accept_length not in (None, "none") else None,
-                    logged_acceptance(name, version))
+                    logged_report(name, version, AcceptanceReport, ACCEPTANCE_ARTIFACT),
+                    logged_report(name, version, BenchmarkReport, SERVING_ARTIFACT))
 
 
-def logged_acceptance(name: str, version: int) -> Optional[AcceptanceReport]:
-    """The version's logged reports/acceptance.json (its per-prompt rounds, which the gates pair with the
-    candidate's); None when it cannot be fetched or no longer validates, which the gates report as not comparable."""
+def logged_report(name: str, version: int, model: type[ReportType], artifact: str) -> Optional[ReportType]:
+    """One of the version's logged reports (the per-prompt rounds the gates pair with the candidate's); None when
+    it cannot be fetched or no longer validates, which the gates report as not comparable."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     with tempfile.TemporaryDirectory(prefix="eaglet-champion-") as staging:
         try:
-            fetched = mlflow.artifacts.download_artifacts(
-                artifact_uri=f"models:/{name}/{version}/{ACCEPTANCE_ARTIFACT}", dst_path=staging)
-            return AcceptanceReport.model_validate_json(Path(fetched).read_text(encoding="utf-8"))
+            fetched = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}/{artifact}",
+                                                          dst_path=staging)
+            return model.model_validate_json(Path(fetched).read_text(encoding="utf-8"))
         except (MlflowException, OSError, ValidationError):
             return None
 
