@@ -458,6 +458,19 @@ class DraftTreeConfig(Section):
         return check_tree_tokens(num_draft_tokens, info)
 
 
+def parsed_config_entry(entry: str) -> tuple[int, int, int, int]:
+    """'batch,steps,topk,num_draft_tokens' as four positive integers; a chain (topk 1) verifies steps + 1."""
+    parts = [part.strip() for part in entry.split(",")]
+    if len(parts) != 4 or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise ValueError(f"benchmark.config_list entry '{entry}' is not 'batch,steps,topk,num_draft_tokens' "
+                         "(four positive integers, e.g. '1,3,1,4')")
+    batch, steps, topk, draft_tokens = (int(part) for part in parts)
+    if topk == 1 and draft_tokens != steps + 1:
+        raise ValueError(f"benchmark.config_list entry '{entry}': a chain (topk 1) of {steps} steps verifies "
+                         f"{steps + 1} tokens, not {draft_tokens}")
+    return batch, steps, topk, draft_tokens
+
+
 class BenchmarkConfig(Section):
     """The serving benchmark. `rounds` alternate without/with the drafter (a fresh engine each time), so that a
     shared machine's noise shows as the spread of the per-round speedups instead of being read as a result."""
@@ -469,6 +482,10 @@ class BenchmarkConfig(Section):
         default="per_round", description="per_round: a fresh engine for every variant of every round, one at a time; "
         "once: each variant's engine starts once (ports runtime.engines.<engine>.port + 0, 1, ...) and stays up while "
         "the rounds alternate between them: fewer starts, so more rounds for the same time (idle engines hold memory)")
+    per_suite: bool = Field(
+        default=False, description="also serve each suite of evaluation.sets (num_requests chat requests of its "
+        "records) at every level, with and without every drafted setting, every round: speedup and engine acceptance "
+        "per suite and setting (the sweep's `suites`)")
     suite_concurrency: int = Field(
         default=1, ge=1, description="prompts in flight while the engine replays evaluation.sets (sets_on: engine): 1 "
         "reads the counters around each prompt (intervals over prompts); N > 1 around each group of N prompts of one "
@@ -481,6 +498,26 @@ class BenchmarkConfig(Section):
         default_factory=list,
         description="SGLang only (GPU hosts): draft trees served besides the chains of num_speculative_tokens, each "
         "against the same baselines; vLLM drafts chains only, so its sweep ignores them")
+    config_list: list[str] = Field(
+        default_factory=list,
+        description="settings as SpecForge's bench_eagle3.py --config-list writes them, 'batch,steps,topk,"
+        "num_draft_tokens' each: the batch joins `concurrency`, topk 1 joins `num_speculative_tokens` as a chain of "
+        "`steps` (num_draft_tokens steps + 1), topk > 1 joins `sglang_trees`; every level is measured with every "
+        "setting")
+
+    @model_validator(mode="after")
+    def _config_list_joins_the_sweep(self) -> "BenchmarkConfig":
+        """Each 'batch,steps,topk,num_draft_tokens' entry adds its level and its setting (once)."""
+        for entry in self.config_list:
+            batch, steps, topk, draft_tokens = parsed_config_entry(entry)
+            if batch not in self.concurrency:
+                self.concurrency = sorted([*self.concurrency, batch])
+            if topk == 1 and steps not in self.num_speculative_tokens:
+                self.num_speculative_tokens = [*self.num_speculative_tokens, steps]
+            tree = DraftTreeConfig(steps=steps, topk=topk, num_draft_tokens=draft_tokens) if topk > 1 else None
+            if tree is not None and tree not in self.sglang_trees:
+                self.sglang_trees = [*self.sglang_trees, tree]
+        return self
 
     @model_validator(mode="after")
     def _positive_distinct_settings(self) -> "BenchmarkConfig":
@@ -694,7 +731,10 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _suites_on_an_engine_need_one(self) -> "RunConfig":
-        """Suites measured on the engine need a benchmark engine that counts acceptance per draft position."""
+        """Suites served per suite need suites; suites measured on the engine need a benchmark engine that counts
+        acceptance per draft position."""
+        if self.benchmark.per_suite and not self.evaluation.sets:
+            raise ValueError("benchmark.per_suite serves the suites of evaluation.sets, which is empty")
         if self.evaluation.sets_on != "engine":
             return self
         if not self.evaluation.sets:

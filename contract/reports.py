@@ -153,12 +153,20 @@ class RecommendedSetting(Report):
     flags: dict[str, Any]
 
 
+class SuiteServing(Report):
+    """One setting on one suite's traffic (`benchmark.per_suite`): speedup per level and the engine's acceptance."""
+
+    speedup: list[SpeedupRow]
+    mean_accept_length: Optional[float]
+
+
 class SweepRow(Report):
     label: str
     setting: dict[str, Any]
     num_speculative_tokens: Optional[int]
     mean_accept_length: Optional[float]
     speedup: list[SpeedupRow]
+    suites: dict[str, SuiteServing] = Field(default_factory=dict, description="per suite with benchmark.per_suite")
     predicted_speedup: Optional[float]
 
 

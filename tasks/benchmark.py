@@ -61,7 +61,7 @@ import asyncio
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -69,7 +69,7 @@ from contract.config import RunConfig
 from contract.records import PromptRecord
 from contract.reports import AcceptanceReport, BenchmarkReport, load_report
 from tasks.common.artifacts import read_json, save_figure, write_json, write_jsonl
-from tasks.common.suite_summary import interval_metrics, plot_suites
+from tasks.common.suite_summary import interval_metrics, metric_name, plot_suites
 from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve, serve_together
 from tasks.data.held_out import eval_prompts, select_records, set_prompts, turn_prefixes
 from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
@@ -122,6 +122,7 @@ class VariantRun:
     results: dict[int, list[RequestResult]] = field(default_factory=dict)  # by concurrency
     round: int = 1
     suites: Optional[dict[str, Any]] = None  # the suites' replay on this engine (rows, seconds, units), if it ran them
+    suite_results: dict[str, dict[int, list[RequestResult]]] = field(default_factory=dict)  # per_suite traffic
 
 
 def run(cfg: RunConfig) -> BenchmarkResult:
@@ -136,6 +137,8 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     check_inputs(cfg)
     records = select_records(out / "data" / "eval.jsonl", cfg.evaluation.max_prompts, cfg.evaluation.sources)
     requests = build_requests(records, settings.num_requests)
+    if settings.per_suite:
+        requests += suite_requests(cfg, start=len(requests))
     steps = cfg.evaluation.steps  # the offline evaluation's chain length: both measure the same drafting
     sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens,
                         chat_template_kwargs=dict(cfg.model.chat_template_kwargs))
@@ -163,7 +166,9 @@ def run(cfg: RunConfig) -> BenchmarkResult:
             "num_speculative_tokens": settings.num_speculative_tokens or [steps],
             "sglang_trees": [tree.model_dump() for tree in settings.sglang_trees],
             "offline_steps": steps, "eval_records": len(records),
-            "distinct_prompts": len({request.prompt_id for request in requests}),
+            "distinct_prompts": len({request.prompt_id for request in requests if request.suite is None}),
+            "per_suite": settings.per_suite,
+            "suite_requests": {suite: len(members) for suite, members in by_suite(requests).items()},
         },
         "engines": engines,
     }
@@ -215,6 +220,29 @@ def build_requests(records: list[PromptRecord], count: int) -> list[ChatRequest]
         prompt_id, messages = prompts[index % len(prompts)]
         requests.append(ChatRequest(index=index, prompt_id=prompt_id, messages=messages))
     return requests
+
+
+def suite_requests(cfg: RunConfig, start: int) -> list[ChatRequest]:
+    """`benchmark.per_suite`: `benchmark.num_requests` chat requests per suite of evaluation.sets, from the suite's
+    records (spread over its categories as the evaluation chooses them), numbered on from `start`."""
+    from tasks.data.held_out import read_records, stratified
+
+    records = read_records(cfg.output_path / "data" / "eval.jsonl")
+    requests: list[ChatRequest] = []
+    for item in cfg.evaluation.sets:
+        chosen = stratified([record for record in records if record.source == item.source], item.records)
+        for request in build_requests(chosen, cfg.benchmark.num_requests):
+            requests.append(replace(request, index=start + len(requests), suite=item.source))
+    return requests
+
+
+def by_suite(requests: list[ChatRequest]) -> dict[str, list[ChatRequest]]:
+    """The per-suite traffic, suite by suite in order (the reference prompts' requests left out)."""
+    grouped: dict[str, list[ChatRequest]] = {}
+    for request in requests:
+        if request.suite is not None:
+            grouped.setdefault(request.suite, []).append(request)
+    return grouped
 
 
 # --- serving and measuring ------------------------------------------------------------------------------
@@ -355,11 +383,17 @@ def measure_levels(cfg: RunConfig, kind: EngineKind, engine: RunningEngine, vari
     measured = VariantRun(variant=variant, round=round_number, report={
         "command": engine.command, "log": str(engine.log_path), "startup_s": startup_s, "levels": [],
     })
+    reference = [request for request in requests if request.suite is None]
     with PeakMemory(engine.pid) as memory:
         for concurrency in cfg.benchmark.concurrency:
-            level, results = measure_level(engine, kind, requests, sampling, concurrency, speculative)
+            level, results = measure_level(engine, kind, reference, sampling, concurrency, speculative)
             measured.report["levels"].append(level)
             measured.results[concurrency] = results
+        for suite, traffic in by_suite(requests).items():
+            for concurrency in cfg.benchmark.concurrency:
+                level, results = measure_level(engine, kind, traffic, sampling, concurrency, speculative)
+                measured.report.setdefault("suite_levels", {}).setdefault(suite, []).append(level)
+                measured.suite_results.setdefault(suite, {})[concurrency] = results
     measured.report["peak_rss_mib"] = memory.peak_bytes / 2**20
     if agreement is not None and agreement.prompts:
         measured.report["agreement"] = replay_agreement(engine, kind, agreement)
@@ -485,7 +519,7 @@ def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafte
         "sweep": [{"label": setting.label, "setting": setting.as_dict(),
                    "num_speculative_tokens": setting.steps if setting.is_chain else None,
                    "mean_accept_length": entry["eagle3"]["speculative"]["mean_accept_length"],
-                   "speedup": entry["speedup"],
+                   "speedup": entry["speedup"], "suites": entry["suites"],
                    "predicted_speedup": predicted_setting_speedup(offline, setting) if offline is not None else None}
                   for setting, entry in per_setting.items()],
         "greedy": greedy,
@@ -515,7 +549,8 @@ def setting_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], runs:
         "status": "skipped", "reason": "temperature > 0: outputs are sampled"}
     return {"eagle3": eagle3, "greedy": greedy, "drafting_problem": drafting_check(kind, eagle3["speculative"]),
             "speedup": speedups([measured.report["levels"] for measured in baselines],
-                                [measured.report["levels"] for measured in runs])}
+                                [measured.report["levels"] for measured in runs]),
+            "suites": suite_serving(kind, baselines, runs)}
 
 
 def recommended_setting(cfg: RunConfig, per_setting: dict[ServingSetting, dict[str, Any]]) -> ServingSetting:
@@ -574,13 +609,30 @@ def speedups(baseline_rounds: list[list[dict[str, Any]]], eagle3_rounds: list[li
 
 def failed_requests(kind: str, measured: VariantRun) -> list[str]:
     failures = []
-    for concurrency, results in measured.results.items():
-        failed = [result for result in results if not result.ok]
-        if failed:
-            failures.append(f"{kind} {measured.variant} (round {measured.round}): {len(failed)} of {len(results)} "
-                            f"requests failed at concurrency {concurrency}, first: {failed[0].prompt_id}: "
-                            f"{failed[0].error}")
+    traffic = [(None, measured.results)] + list(measured.suite_results.items())
+    for suite, per_level in traffic:
+        for concurrency, results in per_level.items():
+            failed = [result for result in results if not result.ok]
+            if failed:
+                served = f" of suite {suite}" if suite else ""
+                failures.append(f"{kind} {measured.variant} (round {measured.round}): {len(failed)} of {len(results)} "
+                                f"requests{served} failed at concurrency {concurrency}, first: {failed[0].prompt_id}: "
+                                f"{failed[0].error}")
     return failures
+
+
+def suite_serving(kind: str, baselines: list[VariantRun], runs: list[VariantRun]) -> dict[str, dict[str, Any]]:
+    """`benchmark.per_suite`: per suite, the setting's speedup per level over the same rounds' baselines and the
+    engine's acceptance on that suite's traffic ({} without per-suite traffic)."""
+    served: dict[str, dict[str, Any]] = {}
+    for suite in runs[0].report.get("suite_levels", {}):
+        drafted_levels = [measured.report["suite_levels"][suite] for measured in runs]
+        served[suite] = {
+            "speedup": speedups([measured.report["suite_levels"][suite] for measured in baselines], drafted_levels),
+            "mean_accept_length": overall_acceptance(kind, [level for levels in drafted_levels
+                                                             for level in levels])["mean_accept_length"],
+        }
+    return served
 
 
 def drafting_check(kind: str, speculative: dict[str, Any]) -> Optional[str]:
@@ -691,10 +743,13 @@ def mismatch_hint(out: Path, kind: str, differences: str) -> str:
 
 def request_rows(kind: str, measured: VariantRun) -> list[dict[str, Any]]:
     rows = []
-    for concurrency, results in measured.results.items():
+    traffic = [(None, measured.results)] + list(measured.suite_results.items())
+    for suite, concurrency, results in ((suite, level, results) for suite, per_level in traffic
+                                        for level, results in per_level.items()):
         for result in results:
             rows.append({
                 "engine": kind, "variant": measured.variant, "round": measured.round, "concurrency": concurrency,
+                "suite": suite,
                 "request": result.index,
                 "prompt_id": result.prompt_id, "output_tokens": result.output_tokens,
                 "content_chunks": result.content_chunks, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
@@ -792,6 +847,11 @@ def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
             metrics[f"{kind}_{label}_predicted_speedup"] = setting["predicted_speedup"]
             for row in setting["speedup"]:
                 metrics[f"{kind}_{label}_c{row['concurrency']}_speedup"] = row["output_tokens_per_s"]
+            for suite, served in setting.get("suites", {}).items():
+                metrics[f"{kind}_{label}_{metric_name(suite)}_mean_accept_length"] = served["mean_accept_length"]
+                for row in served["speedup"]:
+                    metrics[f"{kind}_{label}_{metric_name(suite)}_c{row['concurrency']}_speedup"] = \
+                        row["output_tokens_per_s"]
         speculative = engine["eagle3"]["speculative"]
         metrics[f"{kind}_mean_accept_length"] = speculative["mean_accept_length"]
         metrics[f"{kind}_draft_acceptance_rate"] = speculative["draft_acceptance_rate"]

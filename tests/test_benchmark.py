@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -209,8 +211,8 @@ def test_a_level_keeps_at_most_concurrency_requests_in_flight(scripted: Scripted
 
 
 def prompt_record(record_id: str, messages: list[dict[str, Any]] | None = None,
-                  text: str | None = None) -> PromptRecord:
-    return PromptRecord.model_validate({"id": record_id, "source": "s", "messages": messages or [], "text": text,
+                  text: str | None = None, source: str = "s") -> PromptRecord:
+    return PromptRecord.model_validate({"id": record_id, "source": source, "messages": messages or [], "text": text,
                                         "provenance": {"file": "eval.jsonl", "line": 1, "format": "openai"}})
 
 
@@ -464,6 +466,59 @@ def test_a_failed_check_writes_the_report_then_raises(tmp_path: Path, monkeypatc
     assert len((tmp_path / "benchmark" / "requests.jsonl").read_text().splitlines()) == 2 * 2 * 3
 
 
+def test_per_suite_traffic_is_served_suite_by_suite_and_its_speedup_reported_per_suite(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmark.per_suite: each suite's requests run at every level after the reference traffic, on the same
+    engine; the speedup per suite pairs each round's drafted levels with that round's baseline levels."""
+    for directory in ("target", "data"):
+        (tmp_path / directory).mkdir(parents=True)
+    records = [prompt_record(f"{source}:{i}", [{"role": "user", "content": f"{source} question {i}"},
+                                               {"role": "assistant", "content": "a"}], source=source)
+               for source in ("mtbench", "gsm8k") for i in (1, 2, 3)]
+    (tmp_path / "data" / "eval.jsonl").write_text("".join(record.model_dump_json() + "\n" for record in records))
+    cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "tracking": {"enabled": False},
+                                    "evaluation": {"sources": ["mtbench"], "sets": [{"source": "gsm8k", "records": 2}]},
+                                    "benchmark": {"engines": ["vllm"], "concurrency": [1, 2], "num_requests": 3,
+                                                  "per_suite": True}})
+    records_read = benchmark.select_records(tmp_path / "data" / "eval.jsonl", None, ["mtbench"])
+    requests = benchmark.build_requests(records_read, 3) + benchmark.suite_requests(cfg, start=3)
+    assert [(request.index, request.prompt_id, request.suite) for request in requests[3:]] == [
+        (3, "gsm8k:1#turn1", "gsm8k"), (4, "gsm8k:2#turn1", "gsm8k"), (5, "gsm8k:1#turn1", "gsm8k")]
+
+    served: list[tuple[Optional[str], int]] = []
+
+    def scripted_level(engine, kind, traffic, sampling, concurrency, speculative):
+        suite = traffic[0].suite
+        served.append((suite, concurrency))
+        results = [RequestResult(index=chat.index, prompt_id=chat.prompt_id, text="t", output_tokens=4,
+                                 content_chunks=4, ttft_s=0.1, latency_s=0.4, itl_s=[0.1] * 3) for chat in traffic]
+        wall = {(None, False): 2.0, (None, True): 1.0, ("gsm8k", False): 3.0, ("gsm8k", True): 2.0}[(suite, speculative)]
+        level = {"concurrency": concurrency, **summarize_level(results, wall_s=wall)}
+        if speculative:
+            window = {"drafts": 4.0, "draft_tokens": 12.0, "accepted": 2.0 if suite else 6.0,
+                      "accepted_per_position": [2.0, 0.0, 0.0] if suite else [3.0, 2.0, 1.0]}
+            level["speculative"] = {"window": window, **spec_counters.acceptance(kind, window)}
+        return level, results
+
+    monkeypatch.setattr(benchmark, "measure_level", scripted_level)
+    engine = SimpleNamespace(pid=os.getpid(), command=["serve"], log_path=tmp_path / "engine.log")
+    baseline = benchmark.measure_levels(cfg, "vllm", engine, "baseline", requests, Sampling(0.0, 8), False, 1.0, 1)
+    drafted = benchmark.measure_levels(cfg, "vllm", engine, "eagle3", requests, Sampling(0.0, 8), True, 1.0, 1)
+    assert served[:4] == [(None, 1), (None, 2), ("gsm8k", 1), ("gsm8k", 2)], "reference traffic first, then per suite"
+    assert [result.index for result in drafted.suite_results["gsm8k"][2]] == [3, 4, 5]
+    assert [result.index for result in drafted.results[1]] == [0, 1, 2]
+
+    per_suite = benchmark.suite_serving("vllm", [baseline], [drafted])
+    assert per_suite["gsm8k"]["speedup"][0]["output_tokens_per_s"] == pytest.approx(1.5)
+    assert per_suite["gsm8k"]["mean_accept_length"] == pytest.approx(1.5)
+    rows = benchmark.request_rows("vllm", drafted)
+    assert [row["suite"] for row in rows].count("gsm8k") == 6 and [row["suite"] for row in rows].count(None) == 6
+    failed = replace(drafted.suite_results["gsm8k"][1][0], error="boom")
+    drafted.suite_results["gsm8k"][1][0] = failed
+    assert benchmark.failed_requests("vllm", drafted) == [
+        "vllm eagle3 (round 1): 1 of 3 requests of suite gsm8k failed at concurrency 1, first: gsm8k:1#turn1: boom"]
+
+
 def test_rounds_alternate_and_report_the_median_speedup_with_its_spread(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Three rounds whose machine gets noisier: each round's ratio pairs the engines that ran back to back."""
@@ -521,7 +576,8 @@ def drafted_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path,
         "training": {"ttt_length": 3, "learning_rate": 3e-3, "tokens_per_step": 64, "epochs": 8, "warmup_ratio": 0.1,
                      "save_interval": 1000, "eval_interval": 1000},
         "evaluation": {"steps": 3, "max_new_tokens": 16, "sets": [{"source": "chats"}], "sets_on": "engine"},
-        "benchmark": {"engines": ["vllm"], "concurrency": [1, 2], "num_requests": 4, "max_tokens": 16},
+        "benchmark": {"engines": ["vllm"], "concurrency": [1, 2], "num_requests": 4, "max_tokens": 16,
+                      "per_suite": True},
         "registry": {"agreement_min_drafts": 20},  # 6 prompts of 16 tokens: ~30 drafts at this acceptance
         "runtime": {"engines": {"vllm": {"python": str(vllm_python), "port": free_port(),
                                          "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}},
@@ -574,7 +630,10 @@ def test_vllm_serves_the_drafter_faithfully_and_the_report_says_so(drafted_run: 
     assert result.reports()[-1].name == "acceptance_by_suite_vllm.png", "logged to MLflow with the report"
     assert result.plot_path.is_file() and result.plot_path.stat().st_size > 0
     rows = [json.loads(line) for line in result.requests_path.read_text().splitlines()]
-    assert len(rows) == 2 * 2 * 4 and all(row["error"] is None for row in rows)
+    assert len(rows) == 2 * 2 * (4 + 4) and all(row["error"] is None for row in rows), "reference and chats traffic"
+    chats = vllm["sweep"][0]["suites"]["chats"]
+    assert [row["concurrency"] for row in chats["speedup"]] == [1, 2] and chats["mean_accept_length"] > 1.5
+    assert report["settings"]["suite_requests"] == {"chats": 4}
     print(f"\nagreement:\n{agreement_table(check)}")
     print(f"\nengine accept length {speculative['mean_accept_length']:.2f}, offline {offline:.2f}; "
           f"speedup {vllm['speedup']}")

@@ -139,6 +139,14 @@ def test_tree_settings_must_form_a_tree(tmp_path: Path) -> None:
     message = rejection(tmp_path, trees)
     assert "benchmark.sglang_trees.1.num_draft_tokens: 9 cannot be verified by a tree of steps 2 x topk 2" in message
     assert "sglang_trees.0" not in message, "SGLang's documented steps 3, topk 4, 16 draft tokens is a tree"
+    listed = load_config(None, ["benchmark.config_list=['1,3,1,4', '8,3,4,8', '8,5,1,6']"]).benchmark
+    assert listed.concurrency == [1, 4, 8] and listed.num_speculative_tokens == [3, 5]
+    assert [(tree.steps, tree.topk, tree.num_draft_tokens) for tree in listed.sglang_trees] == [(3, 4, 8)]
+    assert "a chain (topk 1) of 3 steps verifies 4 tokens, not 5" in rejection(
+        tmp_path, "", ["benchmark.config_list=['1,3,1,5']"])
+    assert "is not 'batch,steps,topk,num_draft_tokens'" in rejection(tmp_path, "", ["benchmark.config_list=['1,3']"])
+    assert "cannot be verified by a tree of steps 2 x topk 2" in rejection(
+        tmp_path, "", ["benchmark.config_list=['1,2,2,9']"])
 
 
 def test_resume_from_is_a_mode_or_a_checkpoint_path(tmp_path: Path) -> None:

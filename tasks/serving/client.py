@@ -39,6 +39,7 @@ class ChatRequest:
     index: int
     prompt_id: str
     messages: list[dict[str, str]]
+    suite: Optional[str] = None  # None: the reference prompts' traffic; else the eval set it serves (per_suite)
 
 
 @dataclass(frozen=True)
