@@ -69,6 +69,8 @@ class DataSource(Section):
                             "math500", "alpaca-eval"]] = None
     format: Literal["auto", "sharegpt", "openai", "text", "mtbench", "humaneval", "chitchat", "gsm8k", "mbpp", "math",
                     "alpaca-eval"] = "auto"
+    skip: int = Field(default=0, ge=0, description="leave out the source's first items (the file's order), e.g. the "
+                      "ones another source of the same file trains on: `skip: 64` holds out what `limit: 64` trains on")
     limit: Optional[int] = Field(default=None, ge=1)
     max_user_turns: Optional[int] = Field(
         default=None, ge=1, description="keep conversations up to this many user turns (the cut is recorded per record)"

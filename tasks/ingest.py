@@ -93,9 +93,12 @@ def ingest_source(source: DataSource, seen: Seen):
     accepted = 0
     items = list(iter_items(path))
     with progress_bar(f"ingest {source.name}", len(items)) as bar:
-        for item in items:
+        for position, item in enumerate(items):
             key = f"{source.name}/{portable}:{item.line}"
             advance(bar)
+            if position < source.skip:
+                yield None, Outcome(key=key, status="skipped", reason=f"before data.sources '{source.name}' skip {source.skip}")
+                continue
             if item.error is not None:
                 yield None, Outcome(key=key, status="error", reason=item.error)
                 continue

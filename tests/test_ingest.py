@@ -419,6 +419,22 @@ def test_limit_skips_and_counts_items_beyond_it(tmp_path):
         assert "limit 2" in run.outcome_at("lim", str(path), line).reason
 
 
+def test_skip_holds_out_what_a_limit_of_the_same_file_trains_on(tmp_path):
+    items = [{"id": name, "text": name} for name in "abcdef"]
+    path = write_items(tmp_path / "in.jsonl", items)
+    sources = [{"name": "train-part", "path": str(path), "limit": 2},
+               {"name": "held-out", "path": str(path), "skip": 2, "limit": 3, "split": "eval"}]
+    cfg = load_config(None, [f"output_dir={tmp_path / 'out'}", f"data.sources={json.dumps(sources)}",
+                             "data.dedupe=none"])
+    run = run_config(cfg)
+    assert [record.id for record in run.records] == ["train-part:a", "train-part:b", "held-out:c", "held-out:d",
+                                                     "held-out:e"]
+    assert {record.split for record in run.records if record.source == "held-out"} == {"eval"}
+    assert run.report.by_source["held-out"] == {"input": 6, "ok": 3, "error": 0, "skipped": 3}
+    assert "skip 2" in run.outcome_at("held-out", str(path), 1).reason
+    assert "limit 3" in run.outcome_at("held-out", str(path), 6).reason
+
+
 # --------------------------------------------------------------------------------------------- 5. duplicate ids
 
 
