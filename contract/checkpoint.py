@@ -29,6 +29,7 @@ class CheckpointContract(BaseModel):
     reasoning_parser: str = "think-tags"
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="the template variables training "
                                                  "rendered with; serve with the same (chat_template_kwargs)")
+    method: str = Field(default="eagle3", description="the draft method (draft.method): eagle3 or eagle3.1")
     draft_config: dict[str, Any]
     aux_layer_ids: list[int]
     aux_convention: str = AUX_CONVENTION

@@ -319,6 +319,16 @@ RESUME_AUTO, RESUME_NONE = "auto", "none"
 RESUME_MODES = (RESUME_AUTO, RESUME_NONE)
 
 
+class DraftConfig(Section):
+    """What kind of drafter the train stage builds (models/eagle3.py `METHOD_FLAGS`). The export, its contract and
+    the registry record the method; evaluate, benchmark and register read it from the export, not from here."""
+
+    method: Literal["eagle3", "eagle3.1"] = Field(
+        default="eagle3", description="eagle3: SGLang's and vLLM's EAGLE3; eagle3.1: EAGLE3 with an RMSNorm per aux "
+        "state before fc and the normed output carried to the next draft step (vLLM's fc_norm and norm_output; "
+        "SGLang 0.5 does not serve it)")
+
+
 class TrainingConfig(Section):
     mode: Literal["offline", "online"] = "offline"
     ttt_length: int = Field(default=7, ge=1)
@@ -723,6 +733,7 @@ class RunConfig(Section):
     regeneration: RegenerationConfig = Field(default_factory=RegenerationConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)

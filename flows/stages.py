@@ -44,7 +44,7 @@ STAGE_READS: dict[str, StageReads] = {
                            "model.dtype", "model.trust_remote_code", "runtime.device", "training.mode",
                            "runtime.engines")),
     # online training captures itself
-    "train": StageReads(("model.chat_template_kwargs", "training", "deployment.trainer", "capture",
+    "train": StageReads(("model.chat_template_kwargs", "draft", "training", "deployment.trainer", "capture",
                          "regeneration.reasoning", "model.trust_remote_code", "model.dtype", "runtime.device",
                          "runtime.seed", "runtime.engines", "validation.max_length", "validation.cut_turns")),
     "evaluate": StageReads(("model.chat_template_kwargs", "evaluation", "validation.max_length", "model.dtype",

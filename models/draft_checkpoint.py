@@ -1,7 +1,8 @@
 """Saving and loading the draft in the community EAGLE3 format that SGLang, vLLM and SpecForge load.
 
 `config.json` (architectures LlamaForCausalLMEagle3, one hidden layer, draft_vocab_size, eagle_config) +
-`model.safetensors` (fc, midlayer.*, norm, lm_head, d2t, t2d; never embed_tokens) + `contract.json`.
+`model.safetensors` (fc, midlayer.*, norm, lm_head, d2t, t2d; never embed_tokens) + `contract.json`. EAGLE 3.1 adds
+`fc_norm.{0,1,2}.weight` and the config flags `fc_norm` and `norm_output`, which vLLM's llama_eagle3.py reads.
 
 The engines read `eagle_config.eagle_aux_hidden_state_layer_ids` differently (docs/architecture.md §3): SGLang captures
 the output of layer id, vLLM the output of layer id - 1. Our ids mean "output of layer i", so the SGLang
@@ -29,6 +30,13 @@ EXPECTED_TENSORS = (
     "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
     "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
 )
+#: EAGLE 3.1's per-aux-state norms before fc (config `fc_norm`).
+FC_NORM_TENSORS = ("fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight")
+
+
+def expected_tensor_names(config: Eagle3Config) -> tuple[str, ...]:
+    """The tensors a draft of this config saves: EXPECTED_TENSORS, and fc_norm's for EAGLE 3.1."""
+    return EXPECTED_TENSORS + (FC_NORM_TENSORS if config.fc_norm else ())
 
 
 def engine_layer_ids(aux_layer_ids: list[int], num_target_layers: int, engine: Optional[str]) -> Optional[list[int]]:
@@ -72,6 +80,10 @@ def hf_config(config: Eagle3Config, num_target_layers: int, engine: Optional[str
     }
     if config.rope_scaling:
         result["rope_scaling"] = config.rope_scaling
+    if config.fc_norm:
+        result["fc_norm"] = True
+    if config.norm_output:
+        result["norm_output"] = True
     return result
 
 
@@ -106,6 +118,7 @@ def config_from_hf(config: dict[str, Any]) -> Eagle3Config:
         aux_layer_ids=eagle.get("eaglet_aux_layer_ids", []), rope_scaling=config.get("rope_scaling"),
         bos_token_id=config.get("bos_token_id"), eos_token_id=config.get("eos_token_id"),
         pad_token_id=config.get("pad_token_id"), hidden_act=config.get("hidden_act", "silu"),
+        fc_norm=bool(config.get("fc_norm", False)), norm_output=bool(config.get("norm_output", False)),
     )
 
 
@@ -116,10 +129,13 @@ def load_pretrained(directory: Path, target_info: Optional[dict[str, Any]] = Non
     if target_info is not None:
         check_against_target(contract, target_info)
     tensors = load_file(str(directory / WEIGHTS))
-    missing = [name for name in EXPECTED_TENSORS if name not in tensors]
-    unknown = [name for name in tensors if name not in EXPECTED_TENSORS]
+    draft_config = config_from_hf(config)
+    expected = expected_tensor_names(draft_config)
+    missing = [name for name in expected if name not in tensors]
+    unknown = [name for name in tensors if name not in expected]
     if missing or unknown:
-        raise ValueError(f"{directory / WEIGHTS}: missing tensors {missing}, unexpected tensors {unknown}")
-    draft = Eagle3Draft(config_from_hf(config))
+        raise ValueError(f"{directory / WEIGHTS}: missing tensors {missing}, unexpected tensors {unknown} "
+                         f"(config.json says method {draft_config.method})")
+    draft = Eagle3Draft(draft_config)
     draft.load_state_dict({name: value.float() if value.is_floating_point() else value for name, value in tensors.items()})
     return draft, contract

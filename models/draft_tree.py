@@ -5,8 +5,8 @@ Positions, with n committed tokens x_0..x_{n-1} whose last one (the root) is in 
   - the draft cache holds the step-0 keys and values of draft positions 0..n-2; position t read aux[t] (the
     target's states after x_0..x_t) and the embedding of x_{t+1} at RoPE position t (models/ttt.py);
   - a tree node at depth d >= 1 guesses x_{n-1+d}. The draft expands it at RoPE position n-2+d with its
-    parent's h_out (the root's is the last context position's), attending to the whole context plus its
-    ancestors and itself only. That is exactly TTT step d at position t = n-2: the step-0 keys 0..t plus
+    parent's carried output (h_out, normed for EAGLE 3.1; the root's is the last context position's), attending to
+    the whole context plus its ancestors and itself only. That is exactly TTT step d at position t = n-2: the step-0 keys 0..t plus
     one key per earlier step at t (the "diagonal"), here the keys of the node's ancestors.
 The keys of expanded nodes are temporary: they live for one round and are dropped, because the accepted
 positions get their step-0 keys from the target's aux states in the next `draft_extend`, as in training.
@@ -54,8 +54,9 @@ def masked_tree_attention(projections: StepProjections, keys: Tensor, values: Te
 def draft_extend(draft: Eagle3Draft, cache: DraftCache, aux: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
     """Append context positions to the draft cache (step 0: hidden fc(aux[t]), token x_{t+1}) and run them.
 
-    aux [1, m, 3H] and ids [1, m] (target ids) continue the cache at position cache.length. Returns the last
-    position's h_out [1, H] and its draft-vocab log-probs [Vd]: the distribution of the token after the root.
+    aux [1, m, 3H] and ids [1, m] (target ids) continue the cache at position cache.length. Returns what the last
+    position carries to the next step (its h_out, normed with norm_output) [1, H] and its draft-vocab log-probs
+    [Vd]: the distribution of the token after the root.
     """
     start = cache.length
     count = ids.shape[1]
@@ -66,7 +67,7 @@ def draft_extend(draft: Eagle3Draft, cache: DraftCache, aux: Tensor, ids: Tensor
     visible = torch.ones(count, cache.length, dtype=torch.bool, device=ids.device).tril(diagonal=start)
     h_out = draft.finish(hidden, masked_tree_attention(projections, cache.keys, cache.values, visible))
     last = h_out[:, -1]
-    return last, torch.log_softmax(draft.logits(last)[0].float(), dim=-1)
+    return draft.carry(last), torch.log_softmax(draft.logits(last)[0].float(), dim=-1)
 
 
 @dataclass
@@ -164,8 +165,9 @@ def expand(draft: Eagle3Draft, cache: DraftCache, tree: DraftTree, frontier: lis
     values = torch.cat([cache.values, tree_keys.cache.values], dim=2)
     visible = torch.cat([context, lineage], dim=1)
     h_out = draft.finish(hidden, masked_tree_attention(projections, keys, values, visible))
+    carried = draft.carry(h_out)
     for column, node in enumerate(frontier):
-        hidden_of[node] = h_out[:, column]
+        hidden_of[node] = carried[:, column]
     return torch.log_softmax(draft.logits(h_out)[0].float(), dim=-1)
 
 

@@ -3,12 +3,18 @@
 Read top to bottom, this is docs/architecture.md §3's forward:
 
     g = fc(aux)                                        # Linear(3H -> H), skipped when the input is width H
+                                                       #   EAGLE 3.1: fc(concat(fc_norm[i](aux_i))), one RMSNorm
+                                                       #   per aux state
     e = embed_tokens(ids)                              # frozen copy of the target's embedding (not exported)
     x = concat(input_layernorm(e), hidden_norm(g))     # width 2H, embedding first
     a = o_proj(attn(q_proj(x), k_proj(x), v_proj(x)))
     r = g + a                                          # the residual is the hidden g, not x
     h_out = r + mlp(post_attention_layernorm(r))       # pre-norm output: the next draft step's hidden input
+                                                       #   EAGLE 3.1 (norm_output): norm(h_out) is, instead
     logits = lm_head(norm(h_out))                      # width Vd (draft vocabulary)
+
+The method (`draft.method`) is a pair of flags on the config: `eagle3` has neither, `eagle3.1` both (vLLM's
+`fc_norm` and `norm_output`, read by its llama_eagle3.py; `METHOD_FLAGS`).
 
 The attention is split in two so the training-time test (models/ttt.py) can add its extra keys:
 `project_qkv` returns rotated queries, keys and values, `finish` applies o_proj, the residual and the MLP.
@@ -17,7 +23,7 @@ The attention is split in two so the training-time test (models/ttt.py) can add 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -25,6 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.target_families import family_of, text_config_of
+
+
+#: The draft methods of this architecture and the config flags each sets (vLLM's names for them).
+METHOD_FLAGS: dict[str, dict[str, bool]] = {
+    "eagle3": {"fc_norm": False, "norm_output": False},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+}
 
 
 @dataclass
@@ -48,7 +61,21 @@ class Eagle3Config:
     eos_token_id: Optional[int | list[int]] = None
     pad_token_id: Optional[int] = None
     hidden_act: str = "silu"
+    fc_norm: bool = False  # EAGLE 3.1: an RMSNorm per aux state before fc
+    norm_output: bool = False  # EAGLE 3.1: the next step reads the normed output, not the pre-norm one
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def method(self) -> str:
+        """The draft method these flags make (METHOD_FLAGS); "custom" for a mix no method names."""
+        flags = {"fc_norm": self.fc_norm, "norm_output": self.norm_output}
+        return next((name for name, wanted in METHOD_FLAGS.items() if wanted == flags), "custom")
+
+    def for_method(self, method: str) -> "Eagle3Config":
+        """This config drafting as `method` (a name of METHOD_FLAGS)."""
+        if method not in METHOD_FLAGS:
+            raise ValueError(f"draft.method '{method}' is not one of {', '.join(METHOD_FLAGS)}")
+        return replace(self, **METHOD_FLAGS[method])
 
     @classmethod
     def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int]) -> "Eagle3Config":
@@ -210,6 +237,8 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(3)) \
+            if config.fc_norm else None
         self.midlayer = DraftLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -242,10 +271,18 @@ class Eagle3Draft(nn.Module):
         self.midlayer.dropout.p = probability
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """g = fc(aux); an input already of width H (a previous step's h_out) passes through."""
+        """g = fc(aux), each aux state normed first with fc_norm (EAGLE 3.1); an input already of width H (a previous
+        step's carried output) passes through."""
         if aux.shape[-1] == self.config.hidden_size:
             return aux
+        if self.fc_norm is not None:
+            states = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(state) for norm, state in zip(self.fc_norm, states)], dim=-1)
         return self.fc(aux)
+
+    def carry(self, h_out: torch.Tensor) -> torch.Tensor:
+        """What the next draft step reads as its hidden input: h_out, or norm(h_out) with norm_output (EAGLE 3.1)."""
+        return self.norm(h_out) if self.config.norm_output else h_out
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:

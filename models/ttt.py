@@ -260,13 +260,14 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
             diagonal_values.append(projections.values)
         attended = causal_plus_diagonal_attention(projections.queries, keys0, values0, diagonal_keys, diagonal_values,
                                                   attention_backend)
-        hidden = draft.finish(hidden, attended)
+        h_out = draft.finish(hidden, attended)
         # Logits only at supervised positions: the lm_head dominates the cost, and unsupervised positions
         # (prompts, padding, past the end) add nothing to the loss or the metrics.
         chosen = step_supervised > 0
         rows = teacher_row_index(chosen, step)
         step_probs = teacher_rows.index_select(0, rows)
-        logits = supervised_logits(draft, hidden, chosen)
+        logits = supervised_logits(draft, h_out, chosen)
+        hidden = draft.carry(h_out)
         ploss, log_probs = step_loss(logits, step_probs, teacher_mass[rows], shift_left(mask, step)[chosen],
                                      normaliser=normaliser or mask.numel())
         output.loss = output.loss + decay ** step * ploss

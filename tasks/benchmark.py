@@ -197,7 +197,28 @@ def check_inputs(cfg: RunConfig) -> None:
     for path, hint in needed:
         if not path.exists():
             raise FileNotFoundError(f"benchmark needs {path}: {hint}")
+    for kind in engines:
+        refuse_unserved_method(kind, out / "draft" / kind)
     offline_report(cfg)  # a stale or hand-edited evaluation report fails here, not after the engines ran
+
+
+#: The draft methods each engine serves as trained (models/eagle3.py METHOD_FLAGS). SGLang 0.5's llama_eagle3.py reads
+#: neither fc_norm nor norm_output: it would load an EAGLE 3.1 export without its fc_norm tensors and carry the
+#: pre-norm output, serving another drafter than the one trained.
+SERVED_METHODS = {"vllm": ("eagle3", "eagle3.1"), "sglang": ("eagle3",)}
+
+
+def refuse_unserved_method(kind: str, export: Path) -> None:
+    """A drafter whose method the engine does not serve is refused before the engine starts, naming both."""
+    path = export / "contract.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark needs {path}: run the train stage (every export carries its contract)")
+    method = read_json(path).get("method", "eagle3")  # exports from before draft.method are EAGLE3
+    served = SERVED_METHODS.get(kind, ("eagle3",))
+    if method not in served:
+        elsewhere = ", ".join(engine for engine, methods in SERVED_METHODS.items() if method in methods)
+        raise ValueError(f"{export} is an {method} drafter (draft.method), which {kind} does not serve (it serves "
+                         f"{', '.join(served)}): benchmark it on {elsewhere}")
 
 
 def offline_report(cfg: RunConfig) -> Optional[AcceptanceReport]:

@@ -421,6 +421,23 @@ def test_missing_inputs_are_refused_before_any_engine_starts(tmp_path: Path) -> 
     assert skipped.reports() == [tmp_path / "benchmark" / "report.json", tmp_path / "benchmark" / "serving.png"]
 
 
+def canned_inputs(directory: Path, kind: str, method: str = "eagle3") -> None:
+    """The folders the stage checks before starting an engine, with an export's contract naming its method."""
+    for name in ("target", f"draft/{kind}", "data"):
+        (directory / name).mkdir(parents=True, exist_ok=True)
+    (directory / "draft" / kind / "contract.json").write_text(json.dumps({"method": method}))
+
+
+def test_an_engine_that_does_not_serve_the_method_is_refused_before_it_starts(tmp_path: Path) -> None:
+    canned_inputs(tmp_path, "sglang", method="eagle3.1")
+    (tmp_path / "data" / "eval.jsonl").write_text("")
+    cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "tracking": {"enabled": False},
+                                    "benchmark": {"engines": ["sglang"]}})
+    with pytest.raises(ValueError, match=r"is an eagle3.1 drafter \(draft.method\), which sglang does not serve "
+                                         r"\(it serves eagle3\): benchmark it on vllm"):
+        benchmark.run(cfg)
+
+
 def canned_variant(cfg: RunConfig, kind: str, variant: str, requests: list[ChatRequest], sampling: Sampling,
                    draft: Path | None, steps: int, round_number: int = 1, agreement=None) -> benchmark.VariantRun:
     """What measure_variant returns, without an engine: the drafter changes the text of prompt s:2."""
@@ -442,8 +459,7 @@ def canned_variant(cfg: RunConfig, kind: str, variant: str, requests: list[ChatR
 
 
 def test_a_failed_check_writes_the_report_then_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for directory in ("target", "draft/vllm", "data"):
-        (tmp_path / directory).mkdir(parents=True)
+    canned_inputs(tmp_path, "vllm")
     records = [prompt_record(f"s:{i}", [{"role": "user", "content": f"question {i}"},
                                         {"role": "assistant", "content": f"answer {i}"}]) for i in (1, 2)]
     (tmp_path / "data" / "eval.jsonl").write_text("".join(record.model_dump_json() + "\n" for record in records))
@@ -522,8 +538,7 @@ def test_per_suite_traffic_is_served_suite_by_suite_and_its_speedup_reported_per
 def test_rounds_alternate_and_report_the_median_speedup_with_its_spread(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Three rounds whose machine gets noisier: each round's ratio pairs the engines that ran back to back."""
-    for directory in ("target", "draft/vllm", "data"):
-        (tmp_path / directory).mkdir(parents=True)
+    canned_inputs(tmp_path, "vllm")
     record = prompt_record("s:1", [{"role": "user", "content": "question"}, {"role": "assistant", "content": "a"}])
     (tmp_path / "data" / "eval.jsonl").write_text(record.model_dump_json() + "\n")
     cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "tracking": {"enabled": False}, "benchmark": {
@@ -719,6 +734,48 @@ def test_a_drafter_exported_with_a_shuffled_vocab_mapping_fails_the_agreement_ch
                                       "prompts: position 1: engine accepted")
 
 
+@pytest.fixture(scope="module")
+def eagle31_run(drafted_run: RunConfig, tmp_path_factory: pytest.TempPathFactory) -> RunConfig:
+    """drafted_run's data and features trained again as EAGLE 3.1 (draft.method), exported and evaluated offline."""
+    import shutil
+
+    from contract.config import DraftConfig
+    from tasks import evaluate, train
+
+    directory = tmp_path_factory.mktemp("eagle31") / "run"
+    shutil.copytree(drafted_run.output_path, directory,
+                    ignore=shutil.ignore_patterns("benchmark", "draft", "checkpoints", "train", "evaluate"))
+    cfg = drafted_run.model_copy(update={"output_dir": str(directory), "draft": DraftConfig(method="eagle3.1")})
+    train.run(cfg)
+    evaluate.run(cfg)
+    return cfg
+
+
+def test_vllm_serves_an_eagle31_drafter_as_trained_and_catches_one_exported_without_norm_output(
+        eagle31_run: RunConfig, tmp_path: Path) -> None:
+    """vLLM reads fc_norm and norm_output from config.json: the export agrees with the offline decoder per position;
+    the same export without `norm_output` (vLLM then carries the pre-norm output) does not."""
+    import shutil
+
+    cfg = eagle31_run
+    export = cfg.output_path / "draft" / "vllm"
+    config = json.loads((export / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    assert json.loads((export / "contract.json").read_text())["method"] == "eagle3.1"
+    check = replay_on_engine(cfg, export, "eagle31")
+    print(f"\nEAGLE 3.1 export:\n{agreement_table(check)}")
+    assert check["status"] == "ok", agreement_table(check)
+    assert check["engine_mean_accept_length"] > 1.5, "trained on this very text, its drafts are accepted"
+
+    planted = tmp_path / "eagle31-without-norm-output"
+    shutil.copytree(export, planted)
+    config.pop("norm_output")
+    (planted / "config.json").write_text(json.dumps(config))
+    check = replay_on_engine(cfg, planted, "eagle31-pre-norm")
+    print(f"\nEAGLE 3.1 export without norm_output:\n{agreement_table(check)}")
+    assert check["status"] == "failed", agreement_table(check)
+
+
 def test_vllm_sweep_measures_each_chain_length_and_recommends_the_fastest(drafted_run: RunConfig) -> None:
     from tasks import evaluate
 
@@ -792,8 +849,8 @@ def sweep_run(tmp_path: Path, sweep: list[int], walls: dict[Any, float], kind: s
               trees: list[dict[str, int]] = (), tree_offline: dict[str, Any] | None = None,
               ) -> tuple[dict[str, Any], list[str]]:
     """The stage over canned engines whose wall time per request set depends on the variant (no engine)."""
-    for directory in ("target", f"draft/{kind}", "data", "evaluate"):
-        (tmp_path / directory).mkdir(parents=True, exist_ok=True)
+    canned_inputs(tmp_path, kind)
+    (tmp_path / "evaluate").mkdir(exist_ok=True)
     record = prompt_record("s:1", [{"role": "user", "content": "question"}, {"role": "assistant", "content": "a"}])
     (tmp_path / "data" / "eval.jsonl").write_text(record.model_dump_json() + "\n")
     chain = mode_acceptance(3, 10, [6, 5, 4], mean_accept_length=2.5, acceptance_by_depth=[0.6, 0.5, 0.4])

@@ -127,6 +127,53 @@ def test_save_load_gives_identical_logits_and_the_engine_format(tmp_path: Path, 
     assert contract.engine == "sglang" and contract.draft_config["aux_layer_ids"] == AUX_LAYERS
 
 
+def test_an_eagle31_draft_norms_each_aux_state_carries_its_normed_output_and_round_trips(tmp_path: Path, tiny) -> None:
+    """EAGLE 3.1 (draft.method eagle3.1): fc reads concat(fc_norm[i](aux_i)), the next step reads norm(h_out); the
+    export writes fc_norm.{0,1,2}.weight and vLLM's flags, and loads back as the same method with the same logits."""
+    from models.draft_checkpoint import FC_NORM_TENSORS
+    from tasks.registry.doctor import inspect_checkpoint
+
+    model, tokenizer = tiny
+    torch.manual_seed(0)
+    config = Eagle3Config.from_target(model.config, draft_vocab_size=model.config.vocab_size, aux_layer_ids=AUX_LAYERS)
+    draft = Eagle3Draft(config.for_method("eagle3.1"))
+    draft.attach_embedding(model.get_input_embeddings().weight)
+    for norm in draft.fc_norm:
+        torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    assert draft.config.method == "eagle3.1" and config.method == "eagle3"
+    batch = features(model, tokenizer)
+    aux = batch.aux_hidden_state
+    with torch.no_grad():
+        states = aux.chunk(3, dim=-1)
+        normed = [state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * norm.weight
+                  for state, norm in zip(states, draft.fc_norm)]
+        torch.testing.assert_close(draft.project(aux), draft.fc(torch.cat(normed, dim=-1)))
+        h_out, logits = draft(aux, batch.input_ids)
+        torch.testing.assert_close(draft.carry(h_out), draft.norm(h_out))
+        assert torch.equal(Eagle3Draft(config).carry(h_out), h_out), "EAGLE3 carries the pre-norm output"
+
+    info = target_info_for(model)
+    directory = save_pretrained(draft, tmp_path / "draft", contract_for(model, info), num_target_layers=6, engine="vllm")
+    exported = json.loads((directory / "config.json").read_text())
+    assert exported["fc_norm"] is True and exported["norm_output"] is True
+    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
+        assert set(handle.keys()) == set(EXPECTED_TENSORS) | set(FC_NORM_TENSORS)
+    loaded, contract = load_pretrained(directory, target_info=info)
+    loaded.attach_embedding(model.get_input_embeddings().weight)
+    assert loaded.config.method == "eagle3.1" and contract.draft_config["fc_norm"] is True
+    with torch.no_grad():
+        assert torch.equal(logits, loaded(aux, batch.input_ids)[1])
+    checks = inspect_checkpoint(directory, {**info, "num_hidden_layers": 6, "id": "tiny"})
+    tensor_checks = [check for check in checks if check.field.startswith("tensor")]
+    assert all(check.ok for check in tensor_checks), [check for check in tensor_checks if not check.ok]
+    assert any(check.field == "tensor fc_norm.2.weight" for check in tensor_checks)
+
+    exported.pop("fc_norm")  # a config that lost the flag no longer matches its tensors: refused, naming them
+    (directory / "config.json").write_text(json.dumps(exported))
+    with pytest.raises(ValueError, match=r"unexpected tensors \['fc_norm.0.weight'.*method custom"):
+        load_pretrained(directory)
+
+
 def test_engine_exports_differ_only_in_the_layer_id_convention(tmp_path: Path, tiny) -> None:
     model, _ = tiny
     draft = new_draft(model)

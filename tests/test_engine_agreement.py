@@ -69,6 +69,7 @@ def plant_offline(directory: Path, decodes: dict[tuple[int, ...], list[int]], st
     (directory / "draft" / "sglang").mkdir(parents=True, exist_ok=True)
     (directory / "draft" / "sglang" / "config.json").write_text(json.dumps({"eagle_config": {
         "eaglet_aux_layer_ids": [1, 2, 3]}}))
+    (directory / "draft" / "sglang" / "contract.json").write_text(json.dumps({"method": "eagle3"}))
 
 
 def eval_prompts(decodes: dict[tuple[int, ...], list[int]]) -> list[Any]:

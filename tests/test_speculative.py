@@ -61,9 +61,9 @@ def prompts(tiny_target_dir: Path) -> dict[str, list[list[int]]]:
             "unseen": [encode(text) for text in UNSEEN_TEXTS] + [[tokenizer.bos_token_id]]}
 
 
-def new_draft(model, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Draft:
+def new_draft(model, d2t: torch.Tensor, t2d: torch.Tensor, method: str = "eagle3") -> Eagle3Draft:
     torch.manual_seed(0)
-    draft = Eagle3Draft(Eagle3Config.from_target(model.config, int(d2t.numel()), AUX_LAYERS))
+    draft = Eagle3Draft(Eagle3Config.from_target(model.config, int(d2t.numel()), AUX_LAYERS).for_method(method))
     draft.set_vocab_mapping(d2t, t2d)
     draft.attach_embedding(model.get_input_embeddings().weight)
     draft.initialise_from_target(model.lm_head.weight, model.model.norm.weight)
@@ -89,10 +89,20 @@ def self_distillation_batch(model, sequences: list[list[int]], t2d: torch.Tensor
 @pytest.fixture(scope="module")
 def trained_draft(target, prompts) -> Eagle3Draft:
     """A draft overfit (TTT, 3 steps) on the target's greedy continuations of the trained prompts."""
+    return overfit_draft(target, prompts, "eagle3")
+
+
+@pytest.fixture(scope="module")
+def trained_eagle31_draft(target, prompts) -> Eagle3Draft:
+    """The same, as EAGLE 3.1 (fc_norm, norm_output)."""
+    return overfit_draft(target, prompts, "eagle3.1")
+
+
+def overfit_draft(target, prompts, method: str) -> Eagle3Draft:
     sequences = [prompt + target_generate(target, prompt, CONTINUATION) for prompt in prompts["trained"]]
     counts = count_tokens([(sequence, [1] * len(sequence)) for sequence in sequences], target.config.vocab_size)
     mapping = build_vocab_mapping(counts, target.config.vocab_size, DRAFT_VOCAB)
-    draft = new_draft(target, mapping.d2t, mapping.t2d)
+    draft = new_draft(target, mapping.d2t, mapping.t2d, method)
     batch = self_distillation_batch(target, sequences, mapping.t2d)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
     for _ in range(200):
@@ -158,6 +168,14 @@ def test_a_round_cut_by_max_new_tokens_or_eos_emits_nothing_beyond(target, train
         assert tokens == expected[: first + 1] == target_generate(target, prompt, CONTINUATION, eos_token_id=stop)
     tokens, stats = decoder.generate(prompt, 0)
     assert tokens == [] and stats.target_forwards == 0
+
+
+def test_an_eagle31_draft_decodes_the_targets_greedy_output_and_is_accepted(target, trained_eagle31_draft,
+                                                                           prompts) -> None:
+    for steps, topk, num_draft_tokens in ((3, 1, 4), (3, 3, 8)):
+        decoder = SpeculativeDecoder(target, trained_eagle31_draft, AUX_LAYERS, steps, topk, num_draft_tokens)
+        means = check_greedy_equivalence(decoder, target, prompts["trained"], (24,))
+        assert sum(means) / len(means) > 2.0, "trained on these continuations, its drafts are accepted"
 
 
 @pytest.mark.parametrize("steps, topk, num_draft_tokens", [(3, 1, 4), (4, 3, 10)])
@@ -253,12 +271,15 @@ def ttt_logprobs(draft: Eagle3Draft, aux: torch.Tensor, ids: list[int], depth: i
             diagonal_keys.append(projections.keys)
             diagonal_values.append(projections.values)
         attended = causal_plus_diagonal_attention(projections.queries, keys0, values0, diagonal_keys, diagonal_values)
-        hidden = draft.finish(hidden, attended)
-        result.append(torch.log_softmax(draft.logits(hidden[0, -1]).float(), dim=-1))
+        h_out = draft.finish(hidden, attended)
+        result.append(torch.log_softmax(draft.logits(h_out[0, -1]).float(), dim=-1))
+        hidden = draft.norm(h_out) if draft.config.norm_output else h_out  # EAGLE 3.1 carries the normed output
     return result
 
 
-def test_draft_tree_steps_equal_the_training_time_test_of_each_branch(target, trained_draft, prompts) -> None:
+@pytest.mark.parametrize("method", ["eagle3", "eagle3.1"])
+def test_draft_tree_steps_equal_the_training_time_test_of_each_branch(target, prompts, method, request) -> None:
+    trained_draft = request.getfixturevalue("trained_draft" if method == "eagle3" else "trained_eagle31_draft")
     prompt = prompts["unseen"][1]
     with torch.inference_mode():
         aux, _ = capture_states(target, torch.tensor([prompt]), AUX_LAYERS)

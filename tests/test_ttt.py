@@ -24,9 +24,9 @@ TINY = Eagle3Config(
 )
 
 
-def tiny_draft(seed: int = 0) -> Eagle3Draft:
+def tiny_draft(seed: int = 0, method: str = "eagle3") -> Eagle3Draft:
     torch.manual_seed(seed)
-    draft = Eagle3Draft(TINY)
+    draft = Eagle3Draft(TINY.for_method(method))
     for parameter in draft.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     draft.attach_embedding(torch.randn(TINY.vocab_size, TINY.hidden_size))
@@ -61,7 +61,10 @@ def reference_ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> torch
         return tensor[:, t] if t < length else torch.full_like(tensor[:, 0], fill)
 
     weights = batch.loss_mask.float() * batch.target_top1_in_draft.float()
-    hidden = draft.fc(batch.aux_hidden_state)
+    aux = batch.aux_hidden_state
+    if draft.config.fc_norm:  # EAGLE 3.1: each of the three aux states through its own RMSNorm before fc
+        aux = torch.cat([norm(state) for norm, state in zip(draft.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
+    hidden = draft.fc(aux)
     all_keys, all_values = [], []
     total = torch.zeros(())
     for step in range(steps):
@@ -82,16 +85,17 @@ def reference_ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> torch
                 allowed[t, earlier * length + t] = True                        # own position of steps 1..step
         scores = projections.queries @ keys.transpose(-1, -2) / TINY.head_dim ** 0.5
         attended = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ values
-        hidden = draft.finish(hidden, attended)
-        log_probs = torch.log_softmax(draft.logits(hidden), dim=-1)
+        h_out = draft.finish(hidden, attended)
+        log_probs = torch.log_softmax(draft.logits(h_out), dim=-1)
+        hidden = draft.norm(h_out) if draft.config.norm_output else h_out  # EAGLE 3.1 carries the normed output
         ploss = -(mask * (probs * log_probs).sum(-1)).sum() / (size * length)
         total = total + 0.8 ** step * ploss
     return total
 
 
-@pytest.mark.parametrize("steps", [1, 3, 7])
-def test_ttt_loss_and_gradients_match_the_dense_reference(steps: int) -> None:
-    draft, reference = tiny_draft(), tiny_draft()
+@pytest.mark.parametrize("steps, method", [(1, "eagle3"), (3, "eagle3"), (7, "eagle3"), (3, "eagle3.1")])
+def test_ttt_loss_and_gradients_match_the_dense_reference(steps: int, method: str) -> None:
+    draft, reference = tiny_draft(method=method), tiny_draft(method=method)
     batch = random_batch()
     fast = ttt_forward(draft, batch, steps)
     slow = reference_ttt_loss(reference, batch, steps)

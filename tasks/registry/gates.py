@@ -411,6 +411,7 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[str, list[int]]]
         "lm_head.weight": ("float", [config["draft_vocab_size"], hidden]),
         "d2t": ("int64", [config["draft_vocab_size"]]),
         "t2d": ("bool", [config["vocab_size"]]),
+        **({f"fc_norm.{index}.weight": ("float", [target_hidden]) for index in range(3)} if config.get("fc_norm") else {}),
     }
 
 

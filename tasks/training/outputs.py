@@ -30,7 +30,7 @@ def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: 
         target_id=info["id"], target_revision=info["revision"], tokenizer_hash=info["tokenizer_hash"],
         chat_template_hash=info["chat_template_hash"], reasoning_mode=cfg.regeneration.reasoning,
         chat_template_kwargs=dict(cfg.model.chat_template_kwargs),
-        draft_config=config.to_dict(), aux_layer_ids=config.aux_layer_ids,
+        method=config.method, draft_config=config.to_dict(), aux_layer_ids=config.aux_layer_ids,
         fusion_dims=[3 * config.target_hidden_size, config.hidden_size], hidden_size=info["hidden_size"],
         vocab_size=info["vocab_size"], draft_vocab_size=config.draft_vocab_size,
         vocab_mapping_hash=manifest.get("vocab_mapping_sha256"), bos_token_id=info["bos_token_id"],
