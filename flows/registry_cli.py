@@ -38,7 +38,7 @@ def make_console() -> Console:
 
 
 def registry_show(config: Optional[Path] = ConfigOption, overrides: Optional[list[str]] = OverridesArgument) -> None:
-    """Table of the registered versions: aliases, offline accept length, speedup, gates (passed, and which were
+    """Table of the registered versions: aliases, method, offline accept length, speedup, gates (passed, and which were
     waived), target revision."""
     from mlflow.exceptions import MlflowException
 
@@ -54,7 +54,7 @@ def registry_show(config: Optional[Path] = ConfigOption, overrides: Optional[lis
         console.print(f"no registered model '{escape(name)}' in {escape(client.tracking_uri)}: run the register stage")
         raise typer.Exit(code=1) from None
     table = Table(title=f"{name} ({client.tracking_uri})")
-    for column in ("version", "aliases", "offline accept length", "speedup", "gates passed", "waived gates",
+    for column in ("version", "aliases", "method", "offline accept length", "speedup", "gates passed", "waived gates",
                    "target revision", "created"):
         table.add_column(column, overflow="fold")
     for row in rows:

@@ -333,17 +333,18 @@ def serving_summary(report: Optional[BenchmarkReport]) -> dict[str, Any]:
     return {"status": "passed" if report.passed else "failed", "engines": engines}
 
 
-def recommended_serving(report: Optional[BenchmarkReport], speedup_concurrency: Optional[int]) -> str:
+def recommended_serving(report: Optional[BenchmarkReport], speedup_concurrency: Optional[int], method: str) -> str:
     """Per engine, the setting the benchmark measured as fastest, with its median speedup at the level the speedup
-    gate reads (`registry.speedup_concurrency`, default the lowest): vLLM's `num_speculative_tokens`, SGLang's
-    steps / topk / num_draft_tokens, and the flags that serve it."""
+    gate reads (`registry.speedup_concurrency`, default the lowest): the draft method, vLLM's
+    `num_speculative_tokens`, SGLang's steps / topk / num_draft_tokens, and the flags that serve it."""
     if report is None or not report.measured:
         return "not measured"
     recommended = {}
     for kind, engine in report.engines.items():
         _, row = speedup_row(engine.speedup, speedup_concurrency)
         setting = engine.serving_setting
-        recommended[kind] = {"num_speculative_tokens": engine.num_speculative_tokens, "steps": setting.steps,
+        recommended[kind] = {"method": method, "num_speculative_tokens": engine.num_speculative_tokens,
+                             "steps": setting.steps,
                              "topk": setting.topk, "num_draft_tokens": setting.num_draft_tokens, "flags": setting.flags,
                              "speedup": row.output_tokens_per_s if row else None}
     return tag_value(recommended)
@@ -372,7 +373,8 @@ def gate_tags(cfg: RunConfig, inputs: RegisterInputs, gates: list[Gate], fingerp
         TAG_EVAL_FINGERPRINT: fingerprint,
         TAG_ACCEPT_LENGTH: tag_value(accept_length) if accept_length is not None else "none",
         TAG_SPEEDUP: " ".join(speedups) or "not run",
-        TAG_RECOMMENDED_SERVING: recommended_serving(inputs.serving, cfg.registry.speedup_concurrency),
+        TAG_RECOMMENDED_SERVING: recommended_serving(inputs.serving, cfg.registry.speedup_concurrency,
+                                                     inputs.contract.method),
         TAG_WAIVERS: tag_value(waivers_used(gates, cfg.registry)),
     }
 
@@ -382,8 +384,8 @@ def log_drafter(client: Any, inputs: RegisterInputs, contract: CheckpointContrac
     import mlflow
 
     model = mlflow.initialize_logged_model(
-        name="eagle3-drafter", source_run_id=active.info.run_id, experiment_id=active.info.experiment_id,
-        model_type="eagle3-draft", tags={"eaglet.target_revision": contract.target_revision},
+        name=f"{contract.method}-drafter", source_run_id=active.info.run_id, experiment_id=active.info.experiment_id,
+        model_type=f"{contract.method}-draft", tags={"eaglet.target_revision": contract.target_revision},
         params={"target_id": contract.target_id, "draft_vocab_size": str(contract.draft_vocab_size),
                 "aux_layer_ids": json.dumps(contract.aux_layer_ids)},
     )

@@ -545,6 +545,7 @@ def test_an_unmeasured_gate_withholds_champion_until_the_config_waives_it(
     shown = invoke("registry", "show", "--config", str(config))
     assert shown.exit_code == 0, shown.output
     header, rows = table_cells(shown.output)
+    assert rows["2"][header.index("method")] == "eagle3", "the method tag (contract.method)"
     waived_column = header.index("waived gates")
     assert rows["2"][waived_column] == "serving_checks, engine_acceptance, speedup"
     assert rows["1"][waived_column] == "none" and rows["3"][waived_column] == "serving_checks, engine_acceptance, speedup"
@@ -747,19 +748,22 @@ def test_the_recommended_serving_setting_travels_in_the_contract_and_a_tag() -> 
              for k, length, speedup, predicted in ((1, 1.4, 1.1, 1.2), (2, 1.6, 1.3, 1.25))]
     report = recommending(speedup_rows((1, 1.3)), sweep=sweep, serving_setting={
         "steps": 2, "topk": 1, "num_draft_tokens": 3, "label": "k2", "flags": flags})
-    assert json.loads(register.recommended_serving(report, None)) == {"vllm": {
-        "num_speculative_tokens": 2, "steps": 2, "topk": 1, "num_draft_tokens": 3, "flags": flags, "speedup": 1.3}}
+    assert json.loads(register.recommended_serving(report, None, "eagle3.1")) == {"vllm": {
+        "method": "eagle3.1", "num_speculative_tokens": 2, "steps": 2, "topk": 1, "num_draft_tokens": 3, "flags": flags,
+        "speedup": 1.3}}
     summary = register.serving_summary(report)["engines"]["vllm"]
     assert summary["recommended_num_speculative_tokens"] == 2 and [row["num_speculative_tokens"]
                                                                    for row in summary["sweep"]] == [1, 2]
     assert summary["recommended_setting"]["flags"] == flags
-    assert register.recommended_serving(None, None) == "not measured"
+    assert register.recommended_serving(None, None, "eagle3") == "not measured"
 
 
 def test_the_recommended_speedup_is_read_at_the_level_the_speedup_gate_reads() -> None:
     report = recommending(speedup_rows((1, 1.3), (4, 0.8)))
-    assert json.loads(register.recommended_serving(report, 4))["vllm"]["speedup"] == 0.8, "registry.speedup_concurrency"
-    assert json.loads(register.recommended_serving(report, None))["vllm"]["speedup"] == 1.3, "the lowest by default"
+    assert json.loads(register.recommended_serving(report, 4, "eagle3"))["vllm"]["speedup"] == 0.8, \
+        "registry.speedup_concurrency"
+    assert json.loads(register.recommended_serving(report, None, "eagle3"))["vllm"]["speedup"] == 1.3, \
+        "the lowest by default"
 
 
 def test_the_serving_summary_keeps_sglangs_measured_accept_length() -> None:

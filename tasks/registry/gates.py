@@ -8,7 +8,8 @@ cannot be compared says so and why). The very first champion has nothing to regr
 passes. Against a champion, the comparison is paired over the same prompts per eval set (the reference prompts and
 each suite of `evaluation.sets`, tasks/registry/comparison.py): a drop beyond `registry.max_regression` fails only
 outside the noise (its bootstrap interval below zero), and a version replaces the champion only when some set gains
-beyond the noise (the `improvement` gate). Each gate keeps its measured value and its threshold, so a refusal says by how much it missed.
+beyond the noise (the `improvement` gate). Each gate keeps its measured value and its threshold, so a refusal says by
+how much it missed.
 
 The checkpoint checks are what `eaglet doctor` prints (docs/architecture.md §3, §5): the contract against the target,
 the tensor names and shapes the engines load, and the aux layer ids written for the export's engine.
@@ -411,8 +412,13 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[str, list[int]]]
         "lm_head.weight": ("float", [config["draft_vocab_size"], hidden]),
         "d2t": ("int64", [config["draft_vocab_size"]]),
         "t2d": ("bool", [config["vocab_size"]]),
-        **({f"fc_norm.{index}.weight": ("float", [target_hidden]) for index in range(3)} if config.get("fc_norm") else {}),
+        **(fc_norm_tensors(target_hidden) if config.get("fc_norm") else {}),
     }
+
+
+def fc_norm_tensors(target_hidden: int) -> dict[str, tuple[str, list[int]]]:
+    """EAGLE 3.1's RMSNorm weights, one per aux state (config `fc_norm`)."""
+    return {f"fc_norm.{index}.weight": ("float", [target_hidden]) for index in range(3)}
 
 
 def dtype_kind(safetensors_dtype: str) -> str:

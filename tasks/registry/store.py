@@ -33,6 +33,8 @@ TAG_RECOMMENDED_SERVING = "eaglet.recommended_serving"
 #: JSON {gate family: reason} of the registry.waive_gates entries that let a gate through unmeasured ({}: none).
 TAG_WAIVERS = "eaglet.waivers"
 TAG_TARGET_REVISION = "contract.target_revision"
+#: The draft method (contract.method): versions of every method share one model name, told apart by this tag.
+TAG_METHOD = "contract.method"
 #: Where a version's evaluation report lies among its logged model's artifacts (tasks/register.py logs it).
 ACCEPTANCE_ARTIFACT = "reports/acceptance.json"
 SERVING_ARTIFACT = "reports/serving.json"
@@ -122,6 +124,7 @@ def version_rows(client: Any, name: str) -> list[dict[str, str]]:
         rows.append({
             "version": str(version.version),
             "aliases": ", ".join(sorted(by_version.get(int(version.version), []))),
+            "method": tags.get(TAG_METHOD, "eagle3"),
             "offline accept length": number_cell(tags.get(TAG_ACCEPT_LENGTH, "?")),
             "speedup": tags.get(TAG_SPEEDUP, "?"),
             "gates passed": {"true": "yes", "false": "no"}.get(tags.get(TAG_GATES_PASSED, ""), "?"),
