@@ -703,30 +703,35 @@ def replay_on_engine(cfg: RunConfig, draft: Path, variant: str) -> dict[str, Any
                                      steps)
 
 
+def shuffled_vocab_export(export: Path, destination: Path) -> Path:
+    """A copy of `export` whose d2t is shuffled: each draft id now names another target token."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(export, destination)
+    tensors = load_file(str(destination / "model.safetensors"))
+    draft_ids = torch.arange(tensors["d2t"].numel(), dtype=tensors["d2t"].dtype)
+    target_ids = draft_ids + tensors["d2t"]
+    order = torch.randperm(draft_ids.numel(), generator=torch.Generator().manual_seed(0))
+    tensors["d2t"] = target_ids[order] - draft_ids
+    save_file(tensors, str(destination / "model.safetensors"), metadata={"format": "pt"})
+    return destination
+
+
 def test_a_drafter_exported_with_a_shuffled_vocab_mapping_fails_the_agreement_check(drafted_run: RunConfig,
                                                                                     tmp_path: Path) -> None:
     """The same trained drafter, its vLLM export's d2t shuffled (each draft id now names another target token),
     replayed on the offline evaluation's prompts: the per-position test catches it. (Aux layer ids off by one are
     not caught on this 6-layer tiny target: neighbouring layers' states are too alike there, and the engine then
     accepted as much as offline; the capture stage's verification is what catches those.)"""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
     from tasks import evaluate
 
     cfg = drafted_run
     if not (cfg.output_path / "evaluate" / "acceptance.json").is_file():
         evaluate.run(cfg)
-    shuffled = tmp_path / "draft-shuffled-vocab"
-    shutil.copytree(cfg.output_path / "draft" / "vllm", shuffled)
-    tensors = load_file(str(shuffled / "model.safetensors"))
-    draft_ids = torch.arange(tensors["d2t"].numel(), dtype=tensors["d2t"].dtype)
-    target_ids = draft_ids + tensors["d2t"]
-    order = torch.randperm(draft_ids.numel(), generator=torch.Generator().manual_seed(0))
-    tensors["d2t"] = target_ids[order] - draft_ids
-    save_file(tensors, str(shuffled / "model.safetensors"), metadata={"format": "pt"})
+    shuffled = shuffled_vocab_export(cfg.output_path / "draft" / "vllm", tmp_path / "draft-shuffled-vocab")
     check = replay_on_engine(cfg, shuffled, "eagle3-shuffled-vocab")
     print(f"\nshuffled vocab mapping:\n{agreement_table(check)}")
     assert check["status"] == "failed", agreement_table(check)
@@ -743,18 +748,24 @@ def eagle31_run(drafted_run: RunConfig, tmp_path_factory: pytest.TempPathFactory
     from tasks import evaluate, train
 
     directory = tmp_path_factory.mktemp("eagle31") / "run"
-    shutil.copytree(drafted_run.output_path, directory,
-                    ignore=shutil.ignore_patterns("benchmark", "draft", "checkpoints", "train", "evaluate"))
+    produced = {"benchmark", "draft", "checkpoints", "train", "evaluate"}  # by the stages this run repeats
+
+    def left_behind(folder: str, names: list[str]) -> list[str]:
+        return [name for name in names if name in produced] if Path(folder) == drafted_run.output_path else []
+
+    shutil.copytree(drafted_run.output_path, directory, ignore=left_behind)
     cfg = drafted_run.model_copy(update={"output_dir": str(directory), "draft": DraftConfig(method="eagle3.1")})
     train.run(cfg)
     evaluate.run(cfg)
     return cfg
 
 
-def test_vllm_serves_an_eagle31_drafter_as_trained_and_catches_one_exported_without_norm_output(
-        eagle31_run: RunConfig, tmp_path: Path) -> None:
+def test_vllm_serves_an_eagle31_drafter_as_trained_and_a_planted_defect_fails(eagle31_run: RunConfig,
+                                                                             tmp_path: Path) -> None:
     """vLLM reads fc_norm and norm_output from config.json: the export agrees with the offline decoder per position;
-    the same export without `norm_output` (vLLM then carries the pre-norm output) does not."""
+    with its vocab mapping shuffled it fails; without `norm_output` (vLLM then carries the pre-norm output) the
+    engine drafts otherwise, prompt by prompt, which shows the flag is read (on this tiny target the change is too
+    small for the per-position test)."""
     import shutil
 
     cfg = eagle31_run
@@ -767,13 +778,21 @@ def test_vllm_serves_an_eagle31_drafter_as_trained_and_catches_one_exported_with
     assert check["status"] == "ok", agreement_table(check)
     assert check["engine_mean_accept_length"] > 1.5, "trained on this very text, its drafts are accepted"
 
-    planted = tmp_path / "eagle31-without-norm-output"
-    shutil.copytree(export, planted)
+    shuffled = shuffled_vocab_export(export, tmp_path / "eagle31-shuffled-vocab")
+    failed = replay_on_engine(cfg, shuffled, "eagle31-shuffled-vocab")
+    print(f"\nEAGLE 3.1 export, vocab mapping shuffled:\n{agreement_table(failed)}")
+    assert failed["status"] == "failed", agreement_table(failed)
+
+    pre_norm = tmp_path / "eagle31-without-norm-output"
+    shutil.copytree(export, pre_norm)
     config.pop("norm_output")
-    (planted / "config.json").write_text(json.dumps(config))
-    check = replay_on_engine(cfg, planted, "eagle31-pre-norm")
-    print(f"\nEAGLE 3.1 export without norm_output:\n{agreement_table(check)}")
-    assert check["status"] == "failed", agreement_table(check)
+    (pre_norm / "config.json").write_text(json.dumps(config))
+    carried_otherwise = replay_on_engine(cfg, pre_norm, "eagle31-pre-norm")
+    print(f"\nEAGLE 3.1 export without norm_output:\n{agreement_table(carried_otherwise)}")
+    drafted = [(row["engine"]["drafts"], row["engine"]["accepted_per_position"]) for row in check["per_prompt"]]
+    otherwise = [(row["engine"]["drafts"], row["engine"]["accepted_per_position"])
+                 for row in carried_otherwise["per_prompt"]]
+    assert drafted != otherwise, "vLLM ignored norm_output"
 
 
 def test_vllm_sweep_measures_each_chain_length_and_recommends_the_fastest(drafted_run: RunConfig) -> None:
