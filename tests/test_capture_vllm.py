@@ -185,7 +185,7 @@ def test_the_online_stream_hands_out_batches_in_order_and_computes_the_rest(tiny
     for batch, want in zip(([2], [3, 4, 5]), direct[1:]):
         got = features.records(batch)
         assert [r["id"] for r in got] == [r["id"] for r in want]
-        # the producer thread's forward passes run beside this thread's: equal up to float summation order
+        # computed on the producer thread, one forward at a time with this thread's: equal up to summation order
         assert all(torch.allclose(g["hidden_state"], w["hidden_state"], atol=1e-6) for g, w in zip(got, want))
     features.close()
 
