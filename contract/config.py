@@ -72,6 +72,9 @@ class DataSource(Section):
     skip: int = Field(default=0, ge=0, description="leave out the source's first items (the file's order), e.g. the "
                       "ones another source of the same file trains on: `skip: 64` holds out what `limit: 64` trains on")
     limit: Optional[int] = Field(default=None, ge=1)
+    every: int = Field(default=1, ge=1, description="keep every N-th item after `skip` (the file's order), the rest "
+                       "skipped with the reason: `every: 5` of MT-bench's 80 questions, 10 per category in category "
+                       "order, keeps 16, two of each category")
     max_user_turns: Optional[int] = Field(
         default=None, ge=1, description="keep conversations up to this many user turns (the cut is recorded per record)"
     )
@@ -280,6 +283,10 @@ class CaptureConfig(Section):
     draft_vocab_size: Optional[int] = Field(default=None, ge=1)
     compact_topk: int = Field(default=16, ge=1, description="teacher log-probs kept per position in compact mode")
     batch_size: int = Field(default=8, ge=1, description="records per target forward pass (right-padded)")
+    eval_records: Optional[int] = Field(
+        default=None, ge=1,
+        description="held-out records captured for the trainer's evaluation, spread over the sources; the rest are "
+        "skipped with the reason (the evaluate stage reads the suites, not these features); null: all")
     backend: Literal["local", "vllm"] = "local"
     engine_concurrency: int = Field(default=32, ge=1, description="records in flight to the engine (backend vllm)")
     engine_env: dict[str, str] = Field(

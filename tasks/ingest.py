@@ -99,6 +99,10 @@ def ingest_source(source: DataSource, seen: Seen):
             if position < source.skip:
                 yield None, Outcome(key=key, status="skipped", reason=f"before data.sources '{source.name}' skip {source.skip}")
                 continue
+            if (position - source.skip) % source.every:
+                yield None, Outcome(key=key, status="skipped",
+                                    reason=f"between data.sources '{source.name}' every {source.every}")
+                continue
             if item.error is not None:
                 yield None, Outcome(key=key, status="error", reason=item.error)
                 continue

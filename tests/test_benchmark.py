@@ -289,7 +289,7 @@ class CountingEngine:
 
 def test_suites_replay_in_units_of_one_category_and_count_each_units_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     from tasks.data.held_out import EvalPrompt
-    from tasks.serving import suite_replay
+    from tasks.serving import counted_completions, suite_replay
 
     categories = ["writing", "math", "writing", "math", "writing", "-"]
     prompts = [EvalPrompt(f"mtbench:{index}", 1, "mtbench" if index < 5 else "gsm8k", category, [index, 7])
@@ -307,7 +307,7 @@ def test_suites_replay_in_units_of_one_category_and_count_each_units_rounds(monk
         assert (max_tokens, temperature) == (32, 0.0)
         return [engine.complete(prompt) for prompt in unit_prompts]
 
-    monkeypatch.setattr(suite_replay, "complete_all", scripted)
+    monkeypatch.setattr(counted_completions, "complete_all", scripted)
     replay = suite_replay.replay_suites(engine, "vllm", units, 32, 0.0)
     rows = replay["rows"]
     assert [(row["rounds"], row["accepted_per_position"], row["generated_tokens"]) for row in rows] == [

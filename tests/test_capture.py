@@ -350,3 +350,29 @@ def test_capture_drops_or_keeps_records_with_cut_turns_as_configured(tmp_path: P
     reasons = {outcome.id: outcome.reason for outcome in dropped.report.outcomes if outcome.status == "skipped"}
     assert "validation.cut_turns: drop" in reasons["chat:cut"]
     assert dropped.manifest["splits"]["train"]["records"] == kept.manifest["splits"]["train"]["records"] - 1
+
+
+def test_eval_records_cap_spreads_over_sources_and_counts_the_rest(tmp_path: Path, tiny_target_dir: Path) -> None:
+    from tasks.features.eval_selection import spread_over_sources
+
+    many = [record(f"chat:e{index}", ("user", f"Question {index}?", None), ("assistant", f"Answer {index}.", True))
+            for index in range(4)]
+    many += [record(f"code:e{index}", ("user", f"Code {index}?", None), ("assistant", f"x = {index}", True))
+             for index in range(2)]
+    cfg = make_run(tmp_path, tiny_target_dir, eval_records=3)
+    write_records(cfg.output_path / "data" / "eval.jsonl", many)
+    result = capture.run(cfg)
+
+    eval_rows = list(FeatureSet(cfg.output_path / "features", "eval"))
+    assert [row["id"] for row in eval_rows] == ["chat:e0", "chat:e1", "code:e0"], "round-robin over sources, file order"
+    report = result.report
+    assert report.input == len(TRAIN) + len(many) == report.ok + report.error + report.skipped
+    left_out = {o.id: o.reason for o in report.outcomes if o.status == "skipped" and o.id not in SKIPPED}
+    assert set(left_out) == {"chat:e2", "chat:e3", "code:e1"}
+    assert all("capture.eval_records keeps 3" in reason for reason in left_out.values())
+    assert result.manifest["splits"]["eval"]["records"] == 3
+
+    keys = ["a:1", "a:2", "a:3", "b:4"]
+    sources = {"a:1": "a", "a:2": "a", "a:3": "a", "b:4": "b"}
+    assert spread_over_sources(keys, sources, 2) == ["a:1", "b:4"]
+    assert spread_over_sources(keys, sources, None) == keys == spread_over_sources(keys, sources, 9)

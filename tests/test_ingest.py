@@ -435,6 +435,18 @@ def test_skip_holds_out_what_a_limit_of_the_same_file_trains_on(tmp_path):
     assert "limit 3" in run.outcome_at("held-out", str(path), 6).reason
 
 
+def test_every_keeps_each_nth_item_after_skip_and_counts_the_rest(tmp_path):
+    items = [{"id": name, "text": name} for name in "abcdefgh"]
+    path = write_items(tmp_path / "in.jsonl", items)
+    source = {"name": "spread", "path": str(path), "skip": 1, "every": 3}
+    cfg = load_config(None, [f"output_dir={tmp_path / 'out'}", f"data.sources={json.dumps([source])}"])
+    run = run_config(cfg)
+    assert [record.id for record in run.records] == ["spread:b", "spread:e", "spread:h"]
+    assert run.report.by_source["spread"] == {"input": 8, "ok": 3, "error": 0, "skipped": 5}
+    assert "every 3" in run.outcome_at("spread", str(path), 3).reason
+    assert "skip 1" in run.outcome_at("spread", str(path), 1).reason
+
+
 # --------------------------------------------------------------------------------------------- 5. duplicate ids
 
 

@@ -42,9 +42,6 @@ class OnlineFeatures:
         self.ready: Optional[queue.Queue] = None
         self.expected: list[list[int]] = []
         self.stop = threading.Event()
-        # One forward at a time: a local source captures through hooks on one model, which two threads running
-        # forwards at once would mix (a batch computed on the spot while the producer computes the next one).
-        self.source_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -61,8 +58,7 @@ class OnlineFeatures:
         records: list[dict[str, Any]] = []
         for start in range(0, len(indices), self.source.batch_size):
             chosen = [self.samples[index] for index in indices[start:start + self.source.batch_size]]
-            with self.source_lock:
-                states = self.source.states(chosen)
+            states = self.source.states(chosen)
             for sample, (aux, hidden) in zip(chosen, states):
                 records.append({"id": sample.id, **lossless_tensors(sample, aux, hidden, self.dtype, aux.device)})
         return records

@@ -21,6 +21,7 @@ from contract.records import Outcome, read_prompt_records
 from models.target_capture import resolve_aux_layer_ids
 from models.vocab_mapping import VocabMapping, build_vocab_mapping, count_tokens, mapping_summary, save_vocab_mapping
 from tasks.common.target_info import TargetInfo, load_tokenizer, read_target_info
+from tasks.features.eval_selection import not_kept_reason, record_key, spread_over_sources
 from tasks.features.shards import SHARD_SCHEMA
 
 SPLITS = ("train", "eval")
@@ -66,6 +67,7 @@ def prepare_inputs(cfg: RunConfig) -> CaptureInputs:
     for split in SPLITS:
         samples[split] = prepare_split(out / "data" / f"{split}.jsonl", split, tokenizer, cfg.validation.max_length,
                                        info.vocab_size, outcomes, source_of, cfg.validation.cut_turns)
+    samples["eval"] = capped_eval_samples(samples["eval"], cfg.capture.eval_records, source_of, outcomes)
     counts = count_tokens(((s.input_ids, s.loss_mask) for s in samples["train"]), info.vocab_size)
     mapping = build_vocab_mapping(counts, info.vocab_size, cfg.capture.draft_vocab_size)
     vocab_path = out / "vocab" / "vocab_mapping.safetensors"
@@ -105,6 +107,21 @@ def prepare_split(path: Path, split: str, tokenizer: Any, max_length: int, vocab
             if sample is not None:
                 samples.append(sample)
     return samples
+
+
+def capped_eval_samples(samples: list[Sample], cap: Optional[int], source_of: dict[str, str],
+                        outcomes: list[Outcome]) -> list[Sample]:
+    """At most `cap` eval records (all their turns), spread over the sources (tasks/features/eval_selection.py);
+    the outcomes of the samples left out turn from ok to skipped, so every id stays counted."""
+    record_keys = list(dict.fromkeys(record_key(sample.key) for sample in samples))
+    kept = set(spread_over_sources(record_keys, source_of, cap))
+    left_out = {sample.key for sample in samples if record_key(sample.key) not in kept}
+    if not left_out:
+        return samples
+    for index, outcome in enumerate(outcomes):
+        if outcome.key in left_out:
+            outcomes[index] = Outcome(key=outcome.key, id=outcome.id, status="skipped", reason=not_kept_reason(cap))
+    return [sample for sample in samples if sample.key not in left_out]
 
 
 def prepared_sample(key: str, sample_id: str, rendered: RenderedConversation, tokenizer: Any, max_length: int,

@@ -8,7 +8,8 @@ the sources apart; `capture.backend` picks one (local here, vllm in tasks/featur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -34,16 +35,22 @@ class StateSource(Protocol):
 
 @dataclass
 class LocalStates:
-    """The target in this process: one right-padded forward pass per batch, hooks on the decoder layers."""
+    """The target in this process: one right-padded forward pass per batch, hooks on the decoder layers.
+
+    One forward at a time: the hooks sit on one model, and two threads running forwards through it at once would
+    mix their states (online training's producer thread computing the next train batch while the trainer computes
+    an eval batch on the spot, both from this source)."""
 
     model: Any
     aux_ids: list[int]
     pad_id: int
     batch_size: int
+    forward_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def states(self, samples: list[Sample]) -> States:
-        return capture_states(self.model, [sample.input_ids for sample in samples], self.aux_ids,
-                              pad_token_id=self.pad_id)
+        with self.forward_lock:
+            return capture_states(self.model, [sample.input_ids for sample in samples], self.aux_ids,
+                                  pad_token_id=self.pad_id)
 
     def head_model(self) -> Any:
         return self.model

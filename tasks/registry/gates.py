@@ -112,14 +112,34 @@ class GateInputs:
     champion: Optional[Champion]
 
 
+@dataclass(frozen=True)
+class ChampionComparisons:
+    """This version against the champion, paired per eval set, computed once for the history gates that read it:
+    `reference` (None without a champion or its readable per-prompt rounds) and one per suite of evaluation.sets."""
+
+    reference: Optional[Comparison]
+    suites: dict[str, Comparison]
+
+
+def compare_with_champion(inputs: GateInputs) -> ChampionComparisons:
+    """The paired comparisons with the champion's logged reports, where it has readable ones."""
+    champion = inputs.champion
+    if champion is None or champion.acceptance is None:
+        return ChampionComparisons(None, {})
+    measured = measured_suites(inputs.acceptance, inputs.serving)
+    return ChampionComparisons(compare_reference(inputs.acceptance, champion.acceptance),
+                               compare_suites(measured, champion.suites()))
+
+
 def evaluate_gates(inputs: GateInputs, settings: RegistryConfig) -> list[Gate]:
     """Every gate, in the order a person reads them: data, correctness, quality, serving, history."""
+    comparisons = compare_with_champion(inputs)
     gates = [data_contract_gate(inputs.data_contract), greedy_gate(inputs.acceptance),
              accept_length_gate(inputs.acceptance, settings.min_accept_length)]
     gates += serving_gates(inputs.serving, settings)
-    gates.append(regression_gate(inputs, settings.max_regression))
-    gates += suite_regression_gates(inputs, settings.max_regression)
-    gates.append(improvement_gate(inputs))
+    gates.append(regression_gate(inputs, comparisons, settings.max_regression))
+    gates += suite_regression_gates(inputs, comparisons, settings.max_regression)
+    gates.append(improvement_gate(inputs, comparisons))
     return [waived(gate, settings.waive_gates) for gate in gates]
 
 
@@ -256,7 +276,7 @@ def speedup_gate(kind: str, rows: list[SpeedupRow], settings: RegistryConfig) ->
     return Gate(name, PASSED if measured >= settings.min_speedup else FAILED, measured, settings.min_speedup, detail)
 
 
-def regression_gate(inputs: GateInputs, max_regression: float) -> Gate:
+def regression_gate(inputs: GateInputs, comparisons: ChampionComparisons, max_regression: float) -> Gate:
     """No step back from the champion on the reference prompts, compared only on the same target revision and eval
     prompts; the first champion has nothing to regress against, so that counts as passing. With the champion's
     per-prompt rounds, a drop beyond `max_regression` fails only when the paired interval puts it outside the noise."""
@@ -273,8 +293,7 @@ def regression_gate(inputs: GateInputs, max_regression: float) -> Gate:
     threshold = champion.offline_accept_length * (1.0 - max_regression)
     context = (f"champion v{champion.version} measured {champion.offline_accept_length:.3f} on the same eval set "
                f"(registry.max_regression {max_regression})")
-    comparison = compare_reference(inputs.acceptance, champion.acceptance) if champion.acceptance else None
-    return regression_verdict("no_regression", measured, threshold, comparison, context)
+    return regression_verdict("no_regression", measured, threshold, comparisons.reference, context)
 
 
 def regression_verdict(name: str, measured: float, threshold: float, comparison: Optional[Comparison],
@@ -310,14 +329,11 @@ def unreadable(champion: Champion) -> Optional[str]:
     return None
 
 
-def suite_regression_gates(inputs: GateInputs, max_regression: float) -> list[Gate]:
+def suite_regression_gates(inputs: GateInputs, comparisons: ChampionComparisons, max_regression: float) -> list[Gate]:
     """`no_regression[<suite>]` per suite of evaluation.sets: the same rule as the reference prompts', on the suite's
     prompts; a suite the champion did not measure alike is not comparable and says why."""
     champion = inputs.champion
     measured = measured_suites(inputs.acceptance, inputs.serving)
-    comparisons: dict[str, Comparison] = {}
-    if champion is not None and champion.acceptance is not None:
-        comparisons = compare_suites(measured, champion.suites())
     gates = []
     for suite, rows in (measured.rows if measured is not None else {}).items():
         name = f"no_regression[{suite}]"
@@ -326,7 +342,7 @@ def suite_regression_gates(inputs: GateInputs, max_regression: float) -> list[Ga
             gates.append(Gate(name, PASSED, tau, None, "no champion yet: nothing to regress against"))
             continue
         unlike = other_revision(champion, inputs.target_revision) or unreadable(champion)
-        comparison = comparisons.get(suite)
+        comparison = comparisons.suites.get(suite)
         if unlike or not isinstance(comparison, SetComparison):
             reason = unlike or f"champion v{champion.version}: {comparison.reason}"
             gates.append(Gate(name, NOT_RUN, tau, None, reason))
@@ -338,7 +354,7 @@ def suite_regression_gates(inputs: GateInputs, max_regression: float) -> list[Ga
     return gates
 
 
-def improvement_gate(inputs: GateInputs) -> Gate:
+def improvement_gate(inputs: GateInputs, comparisons: ChampionComparisons) -> Gate:
     """A new champion must be better, not just no worse: some eval set (the reference prompts or a suite) gains
     beyond the noise (the paired interval above zero). A gain inside the noise leaves the champion where it is."""
     champion = inputs.champion
@@ -347,12 +363,12 @@ def improvement_gate(inputs: GateInputs) -> Gate:
     unlike = other_revision(champion, inputs.target_revision) or unreadable(champion)
     if unlike:
         return Gate("improvement", NOT_RUN, None, 0.0, unlike)
-    comparisons = list(compare_suites(measured_suites(inputs.acceptance, inputs.serving), champion.suites()).values())
-    if other_eval_set(champion, inputs.eval_fingerprint) is None:
-        comparisons.insert(0, compare_reference(inputs.acceptance, champion.acceptance))
-    compared = [comparison for comparison in comparisons if isinstance(comparison, SetComparison)]
+    candidates: list[Comparison] = list(comparisons.suites.values())
+    if other_eval_set(champion, inputs.eval_fingerprint) is None and comparisons.reference is not None:
+        candidates.insert(0, comparisons.reference)
+    compared = [comparison for comparison in candidates if isinstance(comparison, SetComparison)]
     if not compared:
-        reasons = "; ".join(f"{comparison.name}: {comparison.reason}" for comparison in comparisons)
+        reasons = "; ".join(f"{comparison.name}: {comparison.reason}" for comparison in candidates)
         return Gate("improvement", NOT_RUN, None, 0.0,
                     f"no eval set measured alike by this version and champion v{champion.version}"
                     + (f" ({reasons})" if reasons else ""))

@@ -21,12 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-import httpx
-
 from contract.reports import ModeAcceptance
-from tasks.serving.spec_counters import speculative_window
-
-REQUEST_TIMEOUT_S = 600.0
+from tasks.serving.counted_completions import complete_counted
 
 
 @dataclass
@@ -144,17 +140,10 @@ AGREEMENT_CHECKS = {"vllm": "per_position", "sglang": "totals"}
 def run_agreement(engine: Any, kind: str, prompts: Sequence[Any], max_tokens: int, temperature: float) -> list[dict[str, Any]]:
     """Each prompt's ids through `/v1/completions`, one at a time; the engine's counters around each one."""
     rows = []
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
-        for prompt in prompts:
-            before = engine.read_metrics()
-            body = {"model": engine.launch.served_model_name, "prompt": list(prompt.input_ids),
-                    "max_tokens": max_tokens, "temperature": temperature}
-            response = client.post(f"{engine.base_url}/completions", json=body)
-            response.raise_for_status()
-            reply = response.json()
-            window = speculative_window(kind, before, engine.read_metrics())
-            rows.append({"prompt": prompt.key, "text": reply["choices"][0]["text"],
-                         "output_tokens": (reply.get("usage") or {}).get("completion_tokens"),
-                         "drafts": window.get("drafts") or 0.0,
-                         "accepted_per_position": window.get("accepted_per_position") or []})
+    for prompt in prompts:
+        counted = complete_counted(engine, kind, [prompt], max_tokens, temperature)
+        reply = counted.replies[0]
+        rows.append({"prompt": prompt.key, "text": reply["choices"][0]["text"],
+                     "output_tokens": (reply.get("usage") or {}).get("completion_tokens"),
+                     "drafts": counted.drafts, "accepted_per_position": counted.accepted_per_position})
     return rows

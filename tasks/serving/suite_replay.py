@@ -13,13 +13,10 @@ prompts, the stratified subset the agreement check compares the engine with (tas
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
-
-import httpx
 
 from contract.hashing import hash_text
 from contract.reports import EngineSuites
@@ -27,8 +24,7 @@ from tasks.common.intervals import PromptRounds, prompt_rounds
 from tasks.common.progress import advance, progress_bar
 from tasks.common.suite_summary import bucket_names, bucket_report, prompt_hash
 from tasks.data.held_out import EvalPrompt
-from tasks.serving.agreement import REQUEST_TIMEOUT_S
-from tasks.serving.spec_counters import speculative_window
+from tasks.serving.counted_completions import complete_counted
 
 
 @dataclass(frozen=True)
@@ -84,20 +80,6 @@ def replay_units(prompts: Sequence[EvalPrompt], concurrency: int) -> list[Replay
     return units
 
 
-async def complete_all(engine: Any, prompts: Sequence[EvalPrompt], max_tokens: int,
-                       temperature: float) -> list[dict[str, Any]]:
-    """Every prompt's completion, all in flight at once; raises on the first failed request."""
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
-        async def complete(prompt: EvalPrompt) -> dict[str, Any]:
-            body = {"model": engine.launch.served_model_name, "prompt": list(prompt.input_ids),
-                    "max_tokens": max_tokens, "temperature": temperature}
-            response = await client.post(f"{engine.base_url}/completions", json=body)
-            response.raise_for_status()
-            return response.json()
-
-        return list(await asyncio.gather(*(complete(prompt) for prompt in prompts)))
-
-
 def replay_suites(engine: Any, kind: str, units: Sequence[ReplayUnit], max_tokens: int,
                   temperature: float) -> dict[str, Any]:
     """Each unit's prompts on the engine, its counters read around them: {"rows": one per unit, "seconds"}."""
@@ -105,14 +87,10 @@ def replay_suites(engine: Any, kind: str, units: Sequence[ReplayUnit], max_token
     started = time.perf_counter()
     with progress_bar(f"{kind}: suites on the engine", len(units)) as bar:
         for unit in units:
-            before = engine.read_metrics()
-            replies = asyncio.run(complete_all(engine, unit.prompts, max_tokens, temperature))
-            window = speculative_window(kind, before, engine.read_metrics())
-            emitted = sum(int((reply.get("usage") or {}).get("completion_tokens") or 0) for reply in replies)
+            counted = complete_counted(engine, kind, unit.prompts, max_tokens, temperature)
             rows.append({"prompt": unit.key, "source": unit.source, "input_hash": unit.input_hash,
-                         "rounds": int(round(window.get("drafts") or 0.0)),
-                         "accepted_per_position": list(window.get("accepted_per_position") or []),
-                         "generated_tokens": emitted})
+                         "rounds": int(round(counted.drafts)), "accepted_per_position": counted.accepted_per_position,
+                         "generated_tokens": counted.completion_tokens})
             advance(bar, 1)
     return {"rows": rows, "seconds": time.perf_counter() - started}
 

@@ -33,8 +33,7 @@ from typing import Any, Optional, Sequence
 import httpx
 
 from contract.reports import PromptAcceptance
-
-REQUEST_TIMEOUT_S = 600.0
+from tasks.serving.counted_completions import REQUEST_TIMEOUT_S
 
 
 @dataclass(frozen=True)
