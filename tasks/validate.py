@@ -10,7 +10,8 @@ and the split is checked by `expectations/train_eval_split.json` (no conversatio
 both splits, eval requests honoured) and `expectations/decontamination.json` (held-out prompts whose word n-grams
 the training records already contain: tasks/data/contamination.py).
 
-Writes `data/train.jsonl`, `data/eval.jsonl`, `reports/data_docs/` (GX Data Docs), `reports/data_contract.json`
+Writes `data/train.jsonl`, `data/eval.jsonl`, `reports/data_docs/` (GX Data Docs that load nothing from the
+network: tasks/data/offline_docs.py), `reports/data_contract.json`
 (per expectation: passed, unexpected count, sample ids; totals) and `data/validate_report.json` (one outcome
 per input line: ok + error + skipped == input). The error budget counts the errors of ingest, regenerate and
 validate over the pipeline's input (tasks/data/error_budget.py). When that fraction exceeds
@@ -36,6 +37,7 @@ from tasks.common.target_info import load_tokenizer, read_target_info
 from tasks.data import split as data_split
 from tasks.data.contamination import PromptOverlap, contamination_summary, prompt_overlaps
 from tasks.data.error_budget import ErrorBudget, read_upstream_reports
+from tasks.data.offline_docs import make_offline
 
 EXPECTATIONS_DIR = Path(__file__).resolve().parent.parent / "expectations"
 RECORD_SUITE = "regenerated_records"
@@ -174,6 +176,7 @@ def run(cfg: RunConfig) -> ValidateResult:
                                   cfg.run_id, [overlap.id for overlap in overlaps])
         if not (staging / "index.html").is_file():
             raise RuntimeError(f"GX Data Docs did not write index.html under {staging}")
+        make_offline(staging)  # local copies of the CDN assets: the site works on an air-gapped cluster
 
     source_of = {row.key: row.record.source if row.record is not None else "unparsed" for row in rows}
     report = StageReport.from_outcomes("validate", outcomes, source_of)
