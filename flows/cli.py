@@ -4,6 +4,7 @@
     eaglet config validate --config configs/llama31-8b-sglang.yaml
     eaglet config validate --schema-only --config configs/llama31-8b-sglang.yaml   # on a laptop: no host checks
     eaglet config sources --config params.yaml        # data/sources.json: the source files by content (DVC)
+    eaglet config reference --write                   # docs/configuration.md's field tables from contract/config.py
     eaglet stage target --config params.yaml          # one stage, no Prefect (what dvc.yaml calls)
     eaglet train --config params.yaml                  # the same, by the stage's own name
     eaglet run --config params.yaml                    # the Prefect flow over every stage (unchanged ones cached)
@@ -91,6 +92,20 @@ def config_sources(config: Optional[Path] = ConfigOption, overrides: Optional[li
     console.print(f"wrote {path}", markup=False, highlight=False)
 
 
+@config_app.command("reference")
+def config_reference(
+    write: bool = typer.Option(False, "--write", help="Rewrite the generated block of docs/configuration.md."),
+) -> None:
+    """Print every config field with its type, default and description, rendered from contract/config.py."""
+    from contract import config_reference as reference
+
+    if write:
+        changed = reference.write()
+        console.print(f"{'wrote' if changed else 'unchanged'}: {reference.DOC_PATH}", markup=False, highlight=False)
+    else:
+        sys.stdout.write(reference.render())
+
+
 @app.command("stage")
 def stage(
     name: str = typer.Argument(..., help="Stage name (target, ingest, ...)."),
@@ -126,7 +141,7 @@ def train_command(
     config: Optional[Path] = ConfigOption,
     overrides: Optional[list[str]] = OverridesArgument,
 ) -> None:
-    """Train the drafter (torchrun when deployment.trainer has more than one rank; several nodes: see README).
+    """Train the drafter (torchrun when deployment.trainer has more than one rank; several nodes: see docs/stages.md).
     A rerun continues the newest matching checkpoint (training.resume_from, auto by default)."""
     stage("train", config, overrides)
 
