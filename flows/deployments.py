@@ -19,7 +19,7 @@ upload is needed when eaglet is installed on the worker nodes (`pip install -e .
     eaglet deploy --config /shared/params.yaml --cron "0 3 * * 0" --work-pool gpu
 
 With `deployment.work_pools` (stage -> pool), `eaglet deploy` also registers `eaglet-stage/<name>-<pool>` for each
-pool named there, and the pipeline's runs send those stages to it (flows/placement.py; README "On a cluster").
+pool named there, and the pipeline's runs send those stages to it (flows/placement.py; docs/cluster.md).
 
 The same deployment as a `prefect.yaml` for `prefect deploy --all` (run from the repository root; the
 workers find the code in the same checkout, e.g. on a shared filesystem):
