@@ -188,7 +188,10 @@ def test_serve_runs_the_champion_on_vllm_until_interrupted(exported_run: RunConf
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert ready.wait(600) and process.poll() is None, "".join(output)
+        deadline = time.monotonic() + 600
+        while not ready.wait(1) and process.poll() is None and time.monotonic() < deadline:
+            pass
+        assert ready.is_set() and process.poll() is None, "".join(output)
         ready_s = time.monotonic() - started
         line = next(line for line in output if line.startswith("ready"))
         base_url, model = re.search(r"base URL (\S+)\s+model '([^']+)'", line).groups()  # type: ignore[union-attr]

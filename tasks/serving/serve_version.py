@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 
 from contract.checkpoint import CheckpointContract, ContractMismatch, check_against_target
 from contract.config import RunConfig
-from tasks.serving.engine import DEFAULT_ENV, EngineKind, EngineLaunch, RunningEngine, engine_command, serve
+from tasks.serving.engine import (DEFAULT_ENV, EngineKind, EngineLaunch, RunningEngine, engine_command, resolve_python,
+                                  serve)
 from tasks.serving.serving_setting import SERVED_METHODS, ServingSetting
 
 #: Where the served versions' exports and engine logs go, under the run's output dir.
@@ -139,11 +140,12 @@ def served_version(cfg: RunConfig, engine: EngineKind, alias: Optional[str] = "c
 def launch_text(launch: EngineLaunch, field: str) -> str:
     """The environment the engine gets on top of the caller's, then its command line, as shell text (--print).
     The values of `field` (runtime.engines.<engine>.env) are secrets by contract (contract/secrets.py): written
-    as ***, never in the clear."""
+    as ***, never in the clear. The python is the one `start_engine` would run (resolved where it exists)."""
     defaults = {key: value for key, value in DEFAULT_ENV.get(launch.kind, {}).items() if key not in launch.env}
     lines = [f"export {key}={shlex.quote(value)}" for key, value in defaults.items()]
     lines += [f"export {key}=***  # {field}.{key} (secret)" for key in launch.env]
-    lines.append(" ".join(shlex.quote(part) for part in engine_command(launch)))
+    python = resolve_python(launch.python) or launch.python
+    lines.append(" ".join(shlex.quote(part) for part in engine_command(dataclasses.replace(launch, python=python))))
     return "\n".join(lines)
 
 
