@@ -12,6 +12,7 @@
     eaglet registry show --config params.yaml          # versions, aliases, gates
     eaglet promote --version 3 --config params.yaml    # [--force --reason "..."]
     eaglet doctor artifacts/embedded-default/draft/sglang --target artifacts/embedded-default/target
+    eaglet serve --alias champion --config params.yaml # serve the champion on vLLM ([--print]: the command only)
     eaglet dvc sync                                    # dvc.yaml's deps and params from the code (flows/dvc_sync.py)
 """
 
@@ -34,6 +35,7 @@ from flows.preflight import HOST_CHECKS
 from flows.deployments import add_deploy_command
 from flows.dvc_sync import add_dvc_commands
 from flows.registry_cli import add_registry_commands
+from flows.serve_cli import add_serve_command
 from flows.stages import STAGE_ORDER
 from tasks.common.run_lock import RunLocked, output_dir_lock
 
@@ -47,6 +49,7 @@ app.add_typer(config_app, name="config")
 add_registry_commands(app)
 add_deploy_command(app)
 add_dvc_commands(app)
+add_serve_command(app)
 
 
 @config_app.command("show")

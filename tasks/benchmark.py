@@ -77,7 +77,7 @@ from tasks.serving.agreement import (AGREEMENT_CHECKS, agreement_verdict, engine
                                      run_agreement)
 from tasks.serving.totals_agreement import engine_rounds, offline_rounds, replay_generate, totals_verdict
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
-from tasks.serving.serving_setting import ServingSetting, serving_sweep
+from tasks.serving.serving_setting import SERVED_METHODS, ServingSetting, serving_sweep
 from tasks.serving.speedup_model import predicted_setting_speedup
 from tasks.serving.suite_replay import ReplayUnit, replay_suites, replay_units, suites_summary, units_label
 
@@ -200,12 +200,6 @@ def check_inputs(cfg: RunConfig) -> None:
     for kind in engines:
         refuse_unserved_method(kind, out / "draft" / kind)
     offline_report(cfg)  # a stale or hand-edited evaluation report fails here, not after the engines ran
-
-
-#: The draft methods each engine serves as trained (models/eagle3.py METHOD_FLAGS). SGLang 0.5's llama_eagle3.py reads
-#: neither fc_norm nor norm_output: it would load an EAGLE 3.1 export without its fc_norm tensors and carry the
-#: pre-norm output, serving another drafter than the one trained.
-SERVED_METHODS = {"vllm": ("eagle3", "eagle3.1"), "sglang": ("eagle3",)}
 
 
 def refuse_unserved_method(kind: str, export: Path) -> None:

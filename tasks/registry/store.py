@@ -151,10 +151,11 @@ def number_cell(text: str) -> str:
         return text
 
 
-def download_drafter(cfg_or_uri: RunConfig | str, model_name: str, alias: str, engine: str = "sglang",
-                     dst: Optional[Path] = None) -> Path:
+def download_drafter(cfg_or_uri: RunConfig | str, model_name: str, alias: Optional[str] = CHAMPION,
+                     engine: str = "sglang", dst: Optional[Path] = None, version: Optional[int] = None) -> Path:
     """`models:/NAME@ALIAS`'s folder for one engine (config.json, model.safetensors, contract.json) under
-    `dst` (a new temp dir when None); returns the folder to pass to SGLang or vLLM."""
+    `dst` (a new temp dir when None); returns the folder to pass to SGLang or vLLM. `version` picks a version by
+    number instead of an alias (`eaglet serve --version N`)."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -166,19 +167,25 @@ def download_drafter(cfg_or_uri: RunConfig | str, model_name: str, alias: str, e
         uri = hand_credentials_to_mlflow(cfg_or_uri, "the tracking URI")
     else:
         uri = tracking_uri(cfg_or_uri)
+    client = mlflow.MlflowClient(uri)
     try:
-        mlflow.MlflowClient(uri).get_model_version_by_alias(model_name, alias)
+        if version is not None:
+            client.get_model_version(model_name, str(version))
+        else:
+            client.get_model_version_by_alias(model_name, alias)
     except MlflowException as error:
-        raise LookupError(f"no version of {model_name} has alias '{alias}' in {uri}: {error.message}") from None
+        which = f"version {version}" if version is not None else f"alias '{alias}'"
+        raise LookupError(f"no version of {model_name} has {which} in {uri}: {error.message}") from None
+    model_uri = f"models:/{model_name}/{version}" if version is not None else f"models:/{model_name}@{alias}"
     destination = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix="eaglet-drafter-"))
     with atomic_directory(destination / engine) as staging:
-        fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_name}@{alias}/{engine}",
+        fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{model_uri}/{engine}",
                                                            dst_path=str(staging), tracking_uri=uri, registry_uri=uri))
         for path in list(fetched.iterdir()):
             os.replace(path, staging / path.name)
         fetched.rmdir()
         missing = [name for name in EXPORT_FILES if not (staging / name).is_file()]
         if missing:
-            raise FileNotFoundError(f"models:/{model_name}@{alias}/{engine} lacks {', '.join(missing)}: "
+            raise FileNotFoundError(f"{model_uri}/{engine} lacks {', '.join(missing)}: "
                                     "not a drafter registered by eaglet")
     return destination / engine

@@ -13,6 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 
+#: The draft methods each engine serves as trained (models/eagle3.py METHOD_FLAGS). SGLang 0.5's llama_eagle3.py reads
+#: neither fc_norm nor norm_output: it would load an EAGLE 3.1 export without its fc_norm tensors and carry the
+#: pre-norm output, serving another drafter than the one trained.
+SERVED_METHODS = {"vllm": ("eagle3", "eagle3.1"), "sglang": ("eagle3",)}
+
+
 @dataclass(frozen=True)
 class ServingSetting:
     steps: int
