@@ -177,9 +177,12 @@ def download_drafter(cfg_or_uri: RunConfig | str, model_name: str, alias: Option
         which = f"version {version}" if version is not None else f"alias '{alias}'"
         raise LookupError(f"no version of {model_name} has {which} in {uri}: {error.message}") from None
     model_uri = f"models:/{model_name}/{version}" if version is not None else f"models:/{model_name}@{alias}"
+    # MLflow resolves `models:/NAME/N` against its global registry, not the registry_uri passed below (a numbered
+    # version of a run's sqlite store was "not found" from any other directory): ask this store where N lies.
+    source = client.get_model_version_download_uri(model_name, str(version)) if version is not None else model_uri
     destination = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix="eaglet-drafter-"))
     with atomic_directory(destination / engine) as staging:
-        fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{model_uri}/{engine}",
+        fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{source}/{engine}",
                                                            dst_path=str(staging), tracking_uri=uri, registry_uri=uri))
         for path in list(fetched.iterdir()):
             os.replace(path, staging / path.name)
