@@ -77,7 +77,7 @@ from tasks.serving.agreement import (AGREEMENT_CHECKS, agreement_verdict, engine
                                      run_agreement)
 from tasks.serving.totals_agreement import engine_rounds, offline_rounds, replay_generate, totals_verdict
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
-from tasks.serving.serving_setting import SERVED_METHODS, ServingSetting, serving_sweep
+from tasks.serving.serving_setting import ServingSetting, engines_serving, serving_sweep, unserved_method
 from tasks.serving.speedup_model import predicted_setting_speedup
 from tasks.serving.suite_replay import ReplayUnit, replay_suites, replay_units, suites_summary, units_label
 
@@ -208,11 +208,9 @@ def refuse_unserved_method(kind: str, export: Path) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"benchmark needs {path}: run the train stage (every export carries its contract)")
     method = read_json(path).get("method", "eagle3")  # exports from before draft.method are EAGLE3
-    served = SERVED_METHODS.get(kind, ("eagle3",))
-    if method not in served:
-        elsewhere = ", ".join(engine for engine, methods in SERVED_METHODS.items() if method in methods)
-        raise ValueError(f"{export} is an {method} drafter (draft.method), which {kind} does not serve (it serves "
-                         f"{', '.join(served)}): benchmark it on {elsewhere}")
+    reason = unserved_method(kind, method)
+    if reason is not None:
+        raise ValueError(f"{export} is {reason}: benchmark it on {engines_serving(method)}")
 
 
 def offline_report(cfg: RunConfig) -> Optional[AcceptanceReport]:

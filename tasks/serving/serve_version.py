@@ -23,7 +23,7 @@ from contract.checkpoint import CheckpointContract, ContractMismatch, check_agai
 from contract.config import RunConfig
 from tasks.serving.engine import (DEFAULT_ENV, EngineKind, EngineLaunch, RunningEngine, engine_command, resolve_python,
                                   serve)
-from tasks.serving.serving_setting import SERVED_METHODS, ServingSetting
+from tasks.serving.serving_setting import ServingSetting, engines_serving, unserved_method
 
 #: Where the served versions' exports and engine logs go, under the run's output dir.
 SERVE_DIR = "serve"
@@ -96,11 +96,9 @@ def check_export(export: Path, engine: str, target_info: dict[str, Any]) -> Chec
     another target than the one it would be served with, or when the engine does not serve its method."""
     contract = CheckpointContract.model_validate_json((export / "contract.json").read_text(encoding="utf-8"))
     check_against_target(contract, target_info)
-    served = SERVED_METHODS.get(engine, ("eagle3",))
-    if contract.method not in served:
-        elsewhere = ", ".join(kind for kind, methods in SERVED_METHODS.items() if contract.method in methods)
-        raise ServeRefused(f"{export} is an {contract.method} drafter, which {engine} does not serve (it serves "
-                           f"{', '.join(served)}): serve it with --engine {elsewhere}")
+    reason = unserved_method(engine, contract.method)
+    if reason is not None:
+        raise ServeRefused(f"{export} is {reason}: serve it with --engine {engines_serving(contract.method)}")
     return contract
 
 

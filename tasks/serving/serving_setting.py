@@ -19,6 +19,20 @@ from typing import Any, Optional
 SERVED_METHODS = {"vllm": ("eagle3", "eagle3.1"), "sglang": ("eagle3",)}
 
 
+def unserved_method(kind: str, method: str) -> Optional[str]:
+    """Why `kind` would not serve a `method` drafter as trained; None when it does.
+    The benchmark and `eaglet serve` both refuse with it before an engine starts."""
+    served = SERVED_METHODS.get(kind, ("eagle3",))
+    if method in served:
+        return None
+    return f"an {method} drafter (draft.method), which {kind} does not serve (it serves {', '.join(served)})"
+
+
+def engines_serving(method: str) -> str:
+    """The engines that serve a `method` drafter as trained, for the refusal's hint."""
+    return ", ".join(engine for engine, methods in SERVED_METHODS.items() if method in methods)
+
+
 @dataclass(frozen=True)
 class ServingSetting:
     steps: int
