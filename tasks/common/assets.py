@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -57,20 +58,29 @@ class AssetMissing(RuntimeError):
     """An embedded asset's package is not installed; the message holds the exact install command."""
 
 
+def installed_file(distribution_name: str, relative: str) -> Optional[tuple[Path, str]]:
+    """Where `relative` lies inside the installed distribution, with the installed version; None when the package
+    is not installed. The path may not exist (another version): the caller says what to install."""
+    try:
+        distribution = importlib.metadata.distribution(distribution_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return Path(str(distribution.locate_file(relative))).resolve(), distribution.version
+
+
 def asset_path(name: str) -> Path:
     """Absolute path of an embedded asset file, or AssetMissing with the command that installs it."""
     asset = ASSETS[name]
-    try:
-        distribution = importlib.metadata.distribution(asset.distribution)
-    except importlib.metadata.PackageNotFoundError:
+    located = installed_file(asset.distribution, asset.relative_path)
+    if located is None:
         raise AssetMissing(
             f"embedded asset '{name}' needs the package {asset.distribution}; install it with: "
             f"{asset.install_command}"
-        ) from None
-    path = Path(str(distribution.locate_file(asset.relative_path))).resolve()
+        )
+    path, version = located
     if not path.is_file():
         raise AssetMissing(
             f"embedded asset '{name}': {asset.relative_path} is missing from {asset.distribution} "
-            f"{distribution.version}; reinstall it with: {asset.install_command}"
+            f"{version}; reinstall it with: {asset.install_command}"
         )
     return path

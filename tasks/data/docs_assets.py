@@ -12,9 +12,10 @@ Where no package ships GX's exact version the closest one that does is used; the
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
+
+from tasks.common.assets import installed_file
 
 
 class DocsAssetMissing(RuntimeError):
@@ -51,18 +52,17 @@ class DocsAsset:
 
     def source(self, relative: str) -> Path:
         """The installed path of `relative` (a file or folder under `package_root`), or DocsAssetMissing."""
-        try:
-            distribution = importlib.metadata.distribution(self.distribution)
-        except importlib.metadata.PackageNotFoundError:
+        located = installed_file(self.distribution, f"{self.package_root}/{relative}")
+        if located is None:
             raise DocsAssetMissing(
                 f"Data Docs asset {self.url} is copied from the package {self.distribution}, which is not "
                 f"installed; install it with: {self.install_command} (or run `make setup`)"
-            ) from None
-        path = Path(str(distribution.locate_file(f"{self.package_root}/{relative}"))).resolve()
+            )
+        path, version = located
         if not path.exists():
             raise DocsAssetMissing(
                 f"Data Docs asset {self.url}: {self.package_root}/{relative} is missing from {self.distribution} "
-                f"{distribution.version}; install the version that ships it with: {self.install_command}"
+                f"{version}; install the version that ships it with: {self.install_command}"
             )
         return path
 
