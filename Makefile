@@ -65,11 +65,14 @@ CHROMEDRIVER := /usr/bin/chromedriver
 browser-env:
 	test -x $(CHROMIUM) -a -x $(CHROMEDRIVER) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
 
-run: setup serve-env
+# The environments install side by side (-j: pip waits on downloads and unpacking as much as on the CPU).
+run:
+	$(MAKE) --no-print-directory -j2 setup serve-env
 	$(BIN)/eaglet run --config params.yaml
 
 # Every tier (tests/tiers.py): unit, integration (Prefect, DVC, torchrun, scripted servers) and engine (vLLM, SGLang).
-test: setup serve-env sglang-env browser-env
+test:
+	$(MAKE) --no-print-directory -j4 setup serve-env sglang-env browser-env
 	$(BIN)/python -m pytest -q
 
 # The developer's loop: the unit tier only (no engine, no server, no subprocess), no engine environments needed.

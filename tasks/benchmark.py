@@ -79,6 +79,7 @@ from tasks.serving.totals_agreement import engine_rounds, offline_rounds, replay
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
 from tasks.serving.serving_setting import ServingSetting, engines_serving, serving_sweep, unserved_method
 from tasks.serving.speedup_model import predicted_setting_speedup
+from tasks.serving.counted_completions import CountedMemo
 from tasks.serving.suite_replay import ReplayUnit, replay_suites, replay_units, suites_summary, units_label
 
 VARIANTS = ("baseline", "eagle3")
@@ -408,19 +409,24 @@ def measure_levels(cfg: RunConfig, kind: EngineKind, engine: RunningEngine, vari
                 measured.report.setdefault("suite_levels", {}).setdefault(suite, []).append(level)
                 measured.suite_results.setdefault(suite, {})[concurrency] = results
     measured.report["peak_rss_mib"] = memory.peak_bytes / 2**20
-    if agreement is not None and agreement.prompts:
-        measured.report["agreement"] = replay_agreement(engine, kind, agreement)
+    memo = CountedMemo()
     if agreement is not None and agreement.suite_units and kind == "vllm":
-        replayed = replay_suites(engine, kind, agreement.suite_units, agreement.max_tokens, agreement.temperature)
+        replayed = replay_suites(engine, kind, agreement.suite_units, agreement.max_tokens, agreement.temperature,
+                                 memo)
         measured.suites = {**replayed, "units": agreement.suite_units}
+    if agreement is not None and agreement.prompts:
+        measured.report["agreement"] = replay_agreement(engine, kind, agreement, memo)
     return measured
 
 
-def replay_agreement(engine: RunningEngine, kind: EngineKind, agreement: AgreementRun) -> list[dict[str, Any]]:
-    """The evaluation's prompts on the engine, read the way its agreement check needs them."""
+def replay_agreement(engine: RunningEngine, kind: EngineKind, agreement: AgreementRun,
+                     memo: CountedMemo) -> list[dict[str, Any]]:
+    """The evaluation's prompts on the engine, read the way its agreement check needs them; on vLLM the reference
+    prompts the suite replay already sent alone (the default's are a subset of its MT-bench suite) are read from
+    `memo`, not generated again."""
     if AGREEMENT_CHECKS[kind] == "totals":
         return replay_generate(engine.root_url, agreement.prompts, agreement.max_tokens, agreement.temperature)
-    return run_agreement(engine, kind, agreement.prompts, agreement.max_tokens, agreement.temperature)
+    return run_agreement(engine, kind, agreement.prompts, agreement.max_tokens, agreement.temperature, memo)
 
 
 def warm_up(engine: RunningEngine, request: ChatRequest) -> None:

@@ -325,6 +325,34 @@ def test_suites_replay_in_units_of_one_category_and_count_each_units_rounds(monk
         "a group shares its suite and category only"
 
 
+def test_agreement_reads_the_reference_prompts_the_suite_replay_sent_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default's reference prompts are a subset of its MT-bench suite: one request each, not two."""
+    from tasks.data.held_out import EvalPrompt
+    from tasks.serving import counted_completions, suite_replay
+    from tasks.serving.agreement import run_agreement
+
+    suite = [EvalPrompt(f"mtbench:{index}", 1, "mtbench", "writing", [index, 7]) for index in range(4)]
+    outside = EvalPrompt("mtbench:9", 1, "mtbench", "math", [9, 7])
+    engine = CountingEngine({0: (10, (5, 2, 1), 20), 1: (8, (0, 0, 0), 8), 2: (6, (6, 3, 1), 24),
+                             3: (4, (1, 0, 0), 5), 9: (7, (3, 1, 0), 12)})
+    sent: list[int] = []
+
+    async def scripted(_engine: Any, unit_prompts: Any, max_tokens: int, temperature: float) -> list[dict[str, Any]]:
+        sent.extend(prompt.input_ids[0] for prompt in unit_prompts)
+        return [engine.complete(prompt) for prompt in unit_prompts]
+
+    monkeypatch.setattr(counted_completions, "complete_all", scripted)
+    memo = counted_completions.CountedMemo()
+    replay = suite_replay.replay_suites(engine, "vllm", suite_replay.replay_units(suite, 1), 32, 0.0, memo)
+    rows = run_agreement(engine, "vllm", [suite[2], outside, suite[0]], 32, 0.0, memo)
+    assert sent == [0, 1, 2, 3, 9], "only the prompt outside the suites is generated again"
+    assert [(row["drafts"], row["accepted_per_position"], row["from_suite_replay"]) for row in rows] == [
+        (6, [6, 3, 1], True), (7, [3, 1, 0], False), (10, [5, 2, 1], True)]
+    assert replay["rows"][2]["accepted_per_position"] == rows[0]["accepted_per_position"]
+    other_budget = run_agreement(engine, "vllm", [suite[1]], 16, 0.0, memo)
+    assert sent[-1] == 1 and other_budget[0]["from_suite_replay"] is False, "another budget is another request"
+
+
 def test_sglang_acceptance_comes_from_its_gauges() -> None:
     metrics = parse_prometheus(
         'sglang:spec_accept_length{dp_rank="0",model_name="m",tp_rank="0"} 2.5\n'

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from contract.reports import ModeAcceptance
-from tasks.serving.counted_completions import complete_counted
+from tasks.serving.counted_completions import CountedMemo, complete_unit
 
 
 @dataclass
@@ -137,13 +137,17 @@ def engine_counts(per_prompt: list[dict[str, Any]]) -> PositionCounts:
 AGREEMENT_CHECKS = {"vllm": "per_position", "sglang": "totals"}
 
 
-def run_agreement(engine: Any, kind: str, prompts: Sequence[Any], max_tokens: int, temperature: float) -> list[dict[str, Any]]:
-    """Each prompt's ids through `/v1/completions`, one at a time; the engine's counters around each one."""
+def run_agreement(engine: Any, kind: str, prompts: Sequence[Any], max_tokens: int, temperature: float,
+                  memo: Optional[CountedMemo] = None) -> list[dict[str, Any]]:
+    """Each prompt's ids through `/v1/completions`, one at a time; the engine's counters around each one (a prompt
+    `memo` holds, sent alone to this engine with the same budget and temperature, is not sent again)."""
     rows = []
     for prompt in prompts:
-        counted = complete_counted(engine, kind, [prompt], max_tokens, temperature)
+        reused = memo is not None and memo.holds(prompt, max_tokens, temperature)
+        counted = complete_unit(engine, kind, [prompt], max_tokens, temperature, memo)
         reply = counted.replies[0]
         rows.append({"prompt": prompt.key, "text": reply["choices"][0]["text"],
                      "output_tokens": (reply.get("usage") or {}).get("completion_tokens"),
-                     "drafts": counted.drafts, "accepted_per_position": counted.accepted_per_position})
+                     "drafts": counted.drafts, "accepted_per_position": counted.accepted_per_position,
+                     "from_suite_replay": reused})
     return rows

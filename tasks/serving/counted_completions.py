@@ -8,8 +8,8 @@ the drafts and accepted tokens per draft position that these requests, and only 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 import httpx
 
@@ -59,3 +59,29 @@ def complete_counted(engine: Any, kind: str, prompts: Sequence[Any], max_tokens:
     before = engine.read_metrics()
     replies = asyncio.run(complete_all(engine, prompts, max_tokens, temperature))
     return CountedReplies(replies, speculative_window(kind, before, engine.read_metrics()))
+
+
+@dataclass
+class CountedMemo:
+    """Single prompts already sent to one engine, by token ids, budget and temperature: the suite replay's rows
+    answer the agreement check for the reference prompts the suites hold, so those are not generated twice."""
+
+    replies: dict[tuple[tuple[int, ...], int, float], CountedReplies] = field(default_factory=dict)
+
+    def holds(self, prompt: Any, max_tokens: int, temperature: float) -> bool:
+        return (tuple(prompt.input_ids), max_tokens, temperature) in self.replies
+
+    def complete(self, engine: Any, kind: str, prompt: Any, max_tokens: int, temperature: float) -> CountedReplies:
+        """The prompt's counted reply: from an earlier identical request to this engine, else sent now."""
+        key = (tuple(prompt.input_ids), max_tokens, temperature)
+        if key not in self.replies:
+            self.replies[key] = complete_counted(engine, kind, [prompt], max_tokens, temperature)
+        return self.replies[key]
+
+
+def complete_unit(engine: Any, kind: str, prompts: Sequence[Any], max_tokens: int, temperature: float,
+                  memo: Optional[CountedMemo]) -> CountedReplies:
+    """A unit's counted replies; a single prompt goes through the memo when there is one."""
+    if memo is not None and len(prompts) == 1:
+        return memo.complete(engine, kind, prompts[0], max_tokens, temperature)
+    return complete_counted(engine, kind, prompts, max_tokens, temperature)

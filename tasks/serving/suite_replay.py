@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from contract.hashing import hash_text
 from contract.reports import EngineSuites
@@ -24,7 +24,7 @@ from tasks.common.intervals import PromptRounds, prompt_rounds
 from tasks.common.progress import advance, progress_bar
 from tasks.common.suite_summary import bucket_names, bucket_report, prompt_hash
 from tasks.data.held_out import EvalPrompt
-from tasks.serving.counted_completions import complete_counted
+from tasks.serving.counted_completions import CountedMemo, complete_unit
 
 
 @dataclass(frozen=True)
@@ -81,13 +81,14 @@ def replay_units(prompts: Sequence[EvalPrompt], concurrency: int) -> list[Replay
 
 
 def replay_suites(engine: Any, kind: str, units: Sequence[ReplayUnit], max_tokens: int,
-                  temperature: float) -> dict[str, Any]:
-    """Each unit's prompts on the engine, its counters read around them: {"rows": one per unit, "seconds"}."""
+                  temperature: float, memo: Optional[CountedMemo] = None) -> dict[str, Any]:
+    """Each unit's prompts on the engine, its counters read around them: {"rows": one per unit, "seconds"}. Single
+    prompts go through `memo` when given, so a later agreement run reuses them."""
     rows = []
     started = time.perf_counter()
     with progress_bar(f"{kind}: suites on the engine", len(units)) as bar:
         for unit in units:
-            counted = complete_counted(engine, kind, unit.prompts, max_tokens, temperature)
+            counted = complete_unit(engine, kind, unit.prompts, max_tokens, temperature, memo)
             rows.append({"prompt": unit.key, "source": unit.source, "input_hash": unit.input_hash,
                          "rounds": int(round(counted.drafts)), "accepted_per_position": counted.accepted_per_position,
                          "generated_tokens": counted.completion_tokens})
