@@ -1,20 +1,23 @@
 """TTT training-step throughput of the SmolLM2-sized draft (batch 1), eaglet per precision vs a dense fp32 baseline.
 
     .venv/bin/python benchmarks/ttt_throughput.py [--lengths 512 1024] [--draft-vocab 8192 32000] [--rounds 3] \
-        [--ttt-length 7]
+        [--ttt-length 7] [--device cpu|cuda] [--compile]
 
 One step = teacher from the target's final hidden states (full-vocab lm_head), `--ttt-length` unrolled draft steps,
 backward, AdamW update, on a sequence whose first 37% is prompt (unsupervised), as in the embedded run. The baseline,
 measured in the same run on the same shapes, is the straightforward form in fp32: the whole fp32 teacher, a dense
 [T, (k+1)T] masked score matrix at every step k (the approach of SpecForge's trainer) and every metric. eaglet runs
 as its trainer does: the fused attention, the teacher in the compute dtype, loss and accuracy only, in fp32 and in
-the precision `training.precision: auto` picks on this host. Rounds alternate the variants; the script prints the
-median rate of each and its ratio to the baseline per round (median [min-max]), beside the host's CPU flags.
+the precision `training.precision: auto` picks on this host; with `--compile` also that precision with the step's
+dense parts compiled (models/ttt_compile.py; its warm-up steps, compilation included, are timed and printed apart).
+Rounds alternate the variants; the script prints the median rate of each and its ratio to the baseline per round
+(median [min-max]), beside the host's CPU flags or the GPU's name.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,7 +29,8 @@ import models.ttt as ttt
 from rounds import median_and_range
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.teacher import Teacher
-from models.ttt import TTTBatch, ttt_forward
+from models.ttt import TTTBatch, step_loss, ttt_forward
+from models.ttt_compile import compile_draft_parts
 from tasks.common.devices import autocast, compute_dtype
 from tasks.common.host_compute import host_compute
 
@@ -45,8 +49,8 @@ def dense_attend(queries, keys0, values0, diagonal_keys, diagonal_values, backen
     keys = torch.cat([keys0, *diagonal_keys], dim=2).repeat_interleave(groups, 1)
     values = torch.cat([values0, *diagonal_values], dim=2).repeat_interleave(groups, 1)
     length = queries.shape[2]
-    blocks = [torch.ones(length, length, dtype=torch.bool).tril()]
-    blocks += [torch.eye(length, dtype=torch.bool)] * len(diagonal_keys)
+    blocks = [torch.ones(length, length, dtype=torch.bool, device=queries.device).tril()]
+    blocks += [torch.eye(length, dtype=torch.bool, device=queries.device)] * len(diagonal_keys)
     return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=torch.cat(blocks, dim=1))
 
 
@@ -56,31 +60,64 @@ class Variant:
     attention: Callable[..., torch.Tensor]
     dtype: torch.dtype
     expected_acceptance: bool
+    compiled: bool = False
 
 
-def step_seconds(draft: Eagle3Draft, teacher: Teacher, length: int, steps: int, variant: Variant) -> float:
-    """Seconds of one training step (teacher, forward, backward, AdamW) after one warm-up step."""
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-4)
-    hidden = torch.randn(1, length, 576)
-    mask = torch.ones(1, length, dtype=torch.long)
+@dataclass
+class Contender:
+    """A variant with its own draft (a compiled variant's methods are replaced on its instance), optimizer and loss."""
+
+    variant: Variant
+    draft: Eagle3Draft
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = step_loss
+
+
+def contender(variant: Variant, reference: Eagle3Draft, device: torch.device) -> Contender:
+    draft = copy.deepcopy(reference).to(device)
+    draft.attach_embedding(reference.embed_tokens.weight.to(device))
+    loss_fn = compile_draft_parts(draft) if variant.compiled else step_loss
+    return Contender(variant, draft, torch.optim.AdamW(draft.parameters(), lr=1e-4), loss_fn)
+
+
+def step_seconds(entry: Contender, teacher: Teacher, length: int, steps: int, device: torch.device,
+                 repeats: int = 2) -> float:
+    """Seconds of the last of `repeats` training steps (teacher, forward, backward, AdamW)."""
+    variant = entry.variant
+    hidden = torch.randn(1, length, 576, device=device)
+    mask = torch.ones(1, length, dtype=torch.long, device=device)
     mask[:, : int(length * PROMPT_SHARE)] = 0
     ttt.causal_plus_diagonal_attention = variant.attention
     timings = []
     try:
-        for _ in range(2):
+        for _ in range(repeats):
+            synchronise(device)
             started = time.perf_counter()
             probs, top1, in_draft = teacher(hidden)
-            aux = torch.randn(1, length, 3 * 576).to(variant.dtype)
-            batch = TTTBatch(torch.randint(0, 49152, (1, length)), mask, aux, probs, top1, in_draft)
-            optimizer.zero_grad()
-            with autocast(torch.device("cpu"), variant.dtype):
-                loss = ttt_forward(draft, batch, steps=steps, expected_acceptance=variant.expected_acceptance).loss
+            aux = torch.randn(1, length, 3 * 576, device=device).to(variant.dtype)
+            batch = TTTBatch(torch.randint(0, 49152, (1, length), device=device), mask, aux, probs, top1, in_draft)
+            entry.optimizer.zero_grad()
+            with autocast(device, variant.dtype):
+                loss = ttt_forward(entry.draft, batch, steps=steps, expected_acceptance=variant.expected_acceptance,
+                                   loss_fn=entry.loss_fn).loss
             loss.backward()
-            optimizer.step()
+            entry.optimizer.step()
+            synchronise(device)
             timings.append(time.perf_counter() - started)
     finally:
         ttt.causal_plus_diagonal_attention = FUSED
     return timings[-1]
+
+
+def synchronise(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"GPU {torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return host_compute().describe()
 
 
 def main() -> None:
@@ -89,32 +126,49 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[8192, 32000])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ttt-length", type=int, default=7)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
+    parser.add_argument("--compile", action="store_true", help="add the auto precision with compiled dense parts")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    lm_head = torch.randn(49152, 576) * 0.02
-    auto = compute_dtype("auto", torch.device("cpu"))
+    lm_head = (torch.randn(49152, 576) * 0.02).to(device)
+    auto = compute_dtype("auto", device)
+    auto_name = str(auto).removeprefix("torch.")
     variants = [Variant("dense fp32", dense_attend, torch.float32, True),
                 Variant("eaglet fp32", FUSED, torch.float32, False),
-                Variant(f"eaglet auto ({str(auto).removeprefix('torch.')})", FUSED, auto, False)]
-    print(f"host: {host_compute().describe()}; batch 1, L={args.ttt_length}, {args.rounds} alternating rounds")
+                Variant(f"eaglet auto ({auto_name})", FUSED, auto, False)]
+    if args.compile:
+        variants.append(Variant(f"eaglet auto ({auto_name}) compiled", FUSED, auto, False, compiled=True))
+    print(f"{describe(device)}; batch 1, L={args.ttt_length}, {args.rounds} alternating rounds")
     for vocab in args.draft_vocab:
-        draft = Eagle3Draft(Eagle3Config(draft_vocab_size=vocab, **SMOLLM2))
-        draft.attach_embedding(torch.randn(49152, 576) * 0.02)
+        reference = Eagle3Draft(Eagle3Config(draft_vocab_size=vocab, **SMOLLM2))
+        reference.attach_embedding(torch.randn(49152, 576) * 0.02)
         t2d = torch.zeros(49152, dtype=torch.bool)
         t2d[:vocab] = True
-        draft.set_vocab_mapping(torch.zeros(vocab, dtype=torch.int64), t2d)
-        teachers = {variant.dtype: Teacher(lm_head, t2d, variant.dtype) for variant in variants}
+        reference.set_vocab_mapping(torch.zeros(vocab, dtype=torch.int64), t2d)
+        contenders = [contender(variant, reference, device) for variant in variants]
+        teachers = {variant.dtype: Teacher(lm_head, t2d.to(device), variant.dtype) for variant in variants}
         for length in args.lengths:
+            for entry in contenders:
+                if entry.variant.compiled:
+                    started = time.perf_counter()
+                    step_seconds(entry, teachers[entry.variant.dtype], length, args.ttt_length, device, repeats=3)
+                    print(f"Vd={vocab:>5} T={length:>5} {entry.variant.name}: warm-up of 3 steps (compilation "
+                          f"included) {time.perf_counter() - started:.1f} s")
             rates: dict[str, list[float]] = {variant.name: [] for variant in variants}
             for _ in range(args.rounds):
-                for variant in variants:
-                    seconds = step_seconds(draft, teachers[variant.dtype], length, args.ttt_length, variant)
-                    rates[variant.name].append(length / seconds)
+                for entry in contenders:
+                    seconds = step_seconds(entry, teachers[entry.variant.dtype], length, args.ttt_length, device)
+                    rates[entry.variant.name].append(length / seconds)
             baseline = rates[variants[0].name]
             for variant in variants:
                 ratios = [rate / base for rate, base in zip(rates[variant.name], baseline)]
-                print(f"Vd={vocab:>5} T={length:>5} {variant.name:>22}: {statistics.median(rates[variant.name]):7.1f} "
+                print(f"Vd={vocab:>5} T={length:>5} {variant.name:>31}: {statistics.median(rates[variant.name]):8.1f} "
                       f"tok/s, x{median_and_range(ratios, 2)} the dense fp32 baseline")
+            if args.compile:
+                eager, compiled = rates[variants[2].name], rates[variants[3].name]
+                ratios = [fast / slow for fast, slow in zip(compiled, eager)]
+                print(f"Vd={vocab:>5} T={length:>5} compiled / eager ({auto_name}): x{median_and_range(ratios, 3)}")
 
 
 if __name__ == "__main__":

@@ -278,6 +278,10 @@ class CaptureConfig(Section):
         default=None, description="outputs of these decoder layers (0-indexed, = HF hidden_states[i+1]); "
         "default [1, N//2 - 1, N - 4]")
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    compute_dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]] = Field(
+        default=None, description="the dtype the target computes the states in (in-process or on the capture engine); "
+        "null: model.dtype; auto: bfloat16 for a float32 model on GPU or a CPU with bf16 matrix units (as "
+        "regeneration.dtype auto), else model.dtype. The manifest's producer records it")
     mode: Literal["lossless", "compact"] = "lossless"
     records_per_shard: int = Field(default=256, ge=1)
     draft_vocab_size: Optional[int] = Field(default=None, ge=1)
@@ -361,6 +365,10 @@ class TrainingConfig(Section):
     prefetch_batches: int = Field(
         default=4, ge=1, description="online training with capture.backend vllm: micro-batches the engine computes "
         "ahead of the trainer (a bounded queue)")
+    length_window: int = Field(
+        default=1, ge=1, description="each consecutive window of this many records of an epoch's order is sorted by "
+        "length, packed into batches on its own and its batches shuffled: less padding per batch (tasks/training/"
+        "batch_plan.py); 1: batches in the epoch's order")
     shuffle_buffer_shards: int = Field(
         default=16, ge=1, description="offline: the shards are shuffled, then records within each group of this many "
         "shards, so the trainer reads a bounded window of shards at a time (memory-mapped, record by record); with "
@@ -375,6 +383,10 @@ class TrainingConfig(Section):
         default=None, ge=1, description="stop this invocation after N steps, as a preemption would (resume continues)"
     )
     attention_backend: Literal["sdpa", "flash_attn"] = "sdpa"
+    compile: bool = Field(
+        default=False, description="torch.compile the TTT step's dense parts (models/ttt_compile.py); eager is the "
+        "reference. On a 2-core CPU it gained 1.05x at T=1024 after ~40 s of compilation (docs/measurements.md), so the "
+        "CPU profiles leave it off")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         default="auto", description="auto: bf16 autocast with fp32 master weights and an fp32 loss on GPU and on CPUs "
         "with bf16 matrix units (AMX or AVX512-BF16, read from the CPU's flags), fp32 on other CPUs")

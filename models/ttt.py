@@ -14,7 +14,7 @@ fused call also returns each query's causal softmax mass (see `causal_plus_diago
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -225,12 +225,14 @@ def draft_mass(probs: torch.Tensor) -> torch.Tensor:
 
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8,
                 positions: Optional[torch.Tensor] = None, normaliser: Optional[int] = None,
-                attention_backend: str = "sdpa", expected_acceptance: bool = True) -> TTTOutput:
+                attention_backend: str = "sdpa", expected_acceptance: bool = True,
+                loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = step_loss) -> TTTOutput:
     """Unroll `steps` draft steps with teacher forcing; loss = sum_k decay**k * ploss_k.
 
     `normaliser` is the B*T of the formula; by default the batch's padded size. A data-parallel step
     passes the global batch's token count so every rank's share adds up to the same loss. Without
-    `expected_acceptance` (training steps, which log only loss and accuracy) that metric is not computed."""
+    `expected_acceptance` (training steps, which log only loss and accuracy) that metric is not computed.
+    `loss_fn` is `step_loss`, or its compiled form (models/ttt_compile.py)."""
     size, length = batch.input_ids.shape
     if positions is None:
         positions = torch.arange(length, device=batch.input_ids.device).expand(size, -1)
@@ -268,8 +270,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
         step_probs = teacher_rows.index_select(0, rows)
         logits = supervised_logits(draft, h_out, chosen)
         hidden = draft.carry(h_out)
-        ploss, log_probs = step_loss(logits, step_probs, teacher_mass[rows], shift_left(mask, step)[chosen],
-                                     normaliser=normaliser or mask.numel())
+        ploss, log_probs = loss_fn(logits, step_probs, teacher_mass[rows], shift_left(mask, step)[chosen],
+                                   normaliser=normaliser or mask.numel())
         output.loss = output.loss + decay ** step * ploss
         output.ploss.append(ploss)
         record_step_metrics(output, draft, log_probs, step_probs if expected_acceptance else None, teacher_top1[rows])

@@ -33,7 +33,7 @@ from contract.hashing import hash_file
 from contract.records import Outcome, StageReport
 from tasks.common.artifacts import write_json
 from tasks.common.progress import advance, progress_bar
-from tasks.common.target_info import load_target_model, pad_token_id
+from tasks.common.target_info import features_dtype, load_target_model, pad_token_id
 from tasks.features.engine_check import verification_sample, verify_engine_states
 from tasks.features.engine_states import (LAYER_CONVENTION, EngineStates, capture_engine, engine_layer_ids,
                                           engine_version)
@@ -80,15 +80,15 @@ def opened_source(cfg: RunConfig, inputs: CaptureInputs,
     if cfg.capture.backend == "local":
         import transformers
 
-        model = load_target_model(cfg, cfg.output_path / "target")
+        model = load_target_model(cfg, cfg.output_path / "target", features_dtype(cfg))
         yield (LocalStates(model, inputs.aux_ids, pad_token_id(inputs.tokenizer), cfg.capture.batch_size),
                {"backend": "local", "engine": "transformers", "version": transformers.__version__,
-                "dtype": cfg.model.dtype})
+                "dtype": features_dtype(cfg)})
         return
     layer_ids = engine_layer_ids(inputs.aux_ids, inputs.info.num_hidden_layers)
     with capture_engine(cfg, layer_ids, features_dir / ".engine-states", "capture-vllm.log") as engine:
         yield (EngineStates.for_run(cfg, engine, layer_ids),
-               {"backend": "vllm", "engine": "vllm", "version": engine_version(engine), "dtype": cfg.model.dtype,
+               {"backend": "vllm", "engine": "vllm", "version": engine_version(engine), "dtype": features_dtype(cfg),
                 "engine_layer_ids": layer_ids, "layer_id_convention": LAYER_CONVENTION})
 
 
@@ -105,8 +105,8 @@ def verify_written(cfg: RunConfig, source: EngineStates, inputs: CaptureInputs,
     samples = verification_sample([sample for plan in written for sample in plan.samples], cfg.capture.verify_fraction)
     if not samples:
         return {"records": [], "skipped": "capture.verify_fraction is 0"}
-    model = load_target_model(cfg, cfg.output_path / "target")
-    return verify_engine_states(source, model, samples, inputs.aux_ids, cfg.model.dtype)
+    model = load_target_model(cfg, cfg.output_path / "target", features_dtype(cfg))
+    return verify_engine_states(source, model, samples, inputs.aux_ids, features_dtype(cfg))
 
 
 def previous_producer(manifest_path: Path, cfg: RunConfig) -> dict[str, Any]:

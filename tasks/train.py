@@ -48,7 +48,9 @@ from contract.config_loading import config_as_yaml, load_config
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.target_heads import TargetHeads, load_target_heads
 from models.teacher import Teacher
-from models.ttt import TTTBatch, TTTOutput, check_attention_backend, simulated_accept_length, ttt_forward
+from models.ttt import (TTTBatch, TTTOutput, check_attention_backend, simulated_accept_length, step_loss,
+                        ttt_forward)
+from models.ttt_compile import compile_draft_parts
 from models.vocab_mapping import load_vocab_mapping
 from tasks.common.artifacts import atomic_file, read_json, write_json
 from tasks.common.devices import autocast, compute_dtype, resolve_device
@@ -94,18 +96,20 @@ class TTTStep(nn.Module):
     """The draft's training-time test as one module call, so DistributedDataParallel can wrap it."""
 
     def __init__(self, draft: Eagle3Draft, steps: int, attention_backend: str = "sdpa",
-                 hidden_noise_std: float = 0.0) -> None:
+                 hidden_noise_std: float = 0.0, compiled: bool = False) -> None:
         super().__init__()
         self.draft = draft
         self.steps = steps
         self.attention_backend = attention_backend
         self.hidden_noise_std = hidden_noise_std
+        self.loss_fn = compile_draft_parts(draft) if compiled else step_loss
 
     def forward(self, batch: TTTBatch, normaliser: int) -> tuple[torch.Tensor, TTTOutput]:
         if self.hidden_noise_std > 0:
             batch = with_hidden_noise(batch, self.hidden_noise_std)
         output = ttt_forward(self.draft, batch, self.steps, normaliser=normaliser,
-                             attention_backend=self.attention_backend, expected_acceptance=False)
+                             attention_backend=self.attention_backend, expected_acceptance=False,
+                             loss_fn=self.loss_fn)
         return output.loss, output
 
 
@@ -244,7 +248,7 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     sharded = strategy == "fsdp" and env.world_size > 1
     full_draft = build_draft(cfg, heads, manifest, env.device) if sharded else draft
     module = parallelise(TTTStep(draft, cfg.training.ttt_length, cfg.training.attention_backend,
-                                 cfg.training.hidden_noise_std), strategy, env)
+                                 cfg.training.hidden_noise_std, cfg.training.compile), strategy, env)
     trainable = [parameter for parameter in module.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
     index = train_set.index()  # offline: every shard's header and offsets
@@ -252,7 +256,7 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
     lengths = [length for _, length in index]
     shard_of = train_set.shard_of()
     plans = [optimizer_steps(epoch_batches(lengths, cfg.training.tokens_per_step, cfg.runtime.seed, epoch, shard_of,
-                                           cfg.training.shuffle_buffer_shards),
+                                           cfg.training.shuffle_buffer_shards, cfg.training.length_window),
                              cfg.training.grad_accumulation)
              for epoch in range(cfg.training.epochs)]
     total_steps = min(cfg.training.max_steps or 10**12, sum(len(plan) for plan in plans))

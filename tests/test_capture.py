@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import json
 from pathlib import Path
 
@@ -257,6 +259,35 @@ def test_rerun_rewrites_only_the_missing_shard(tmp_path: Path, tiny_target_dir: 
     assert third.shards_written == [] and len(third.shards_kept) == 4
     # changed settings (storage dtype) rewrite everything
     cfg.capture.dtype = "float16"
+    assert len(capture.run(cfg).shards_written) == 4
+
+
+def test_states_computed_in_bfloat16_are_recorded_and_recaptured_when_the_dtype_changes(
+        tmp_path: Path, tiny_target_dir: Path, tiny_model) -> None:
+    """capture.compute_dtype: the target runs in that dtype, the manifest's producer says so, and shards written in
+    another compute dtype are other bytes (redone, never mixed)."""
+    from tasks.common.target_info import features_dtype
+
+    cfg = make_run(tmp_path, tiny_target_dir)
+    assert features_dtype(cfg) == cfg.model.dtype == "float32", "null: the model's own dtype"
+    fp32 = capture.run(cfg)
+    cfg.capture.compute_dtype = "bfloat16"
+    bf16 = capture.run(cfg)
+    assert len(bf16.shards_written) == 4 and bf16.shards_kept == []
+    assert fp32.manifest["producer"]["dtype"] == "float32" and bf16.manifest["producer"]["dtype"] == "bfloat16"
+    assert bf16.manifest["fingerprint"] != fp32.manifest["fingerprint"]
+
+    model, tokenizer = tiny_model
+    first = next(iter(FeatureSet(cfg.output_path / "features", "train")))
+    with torch.no_grad():
+        ids = first["input_ids"].long().unsqueeze(0)
+        in_bf16 = copy.deepcopy(model).to(torch.bfloat16)(ids, output_hidden_states=True).hidden_states
+        in_fp32 = model(ids, output_hidden_states=True).hidden_states
+    want = torch.cat([in_bf16[i + 1][0] for i in AUX], dim=-1)
+    assert torch.allclose(first["aux_hidden_state"].float(), want.float(), rtol=2e-2, atol=2e-2)
+    exact = torch.cat([in_fp32[i + 1][0] for i in AUX], dim=-1)
+    assert not torch.equal(first["aux_hidden_state"], exact.to(torch.bfloat16)), "computed in bf16, not cast from fp32"
+    cfg.capture.compute_dtype = None
     assert len(capture.run(cfg).shards_written) == 4
 
 

@@ -21,6 +21,30 @@ def test_with_every_shard_in_one_group_the_order_is_the_plain_seeded_shuffle() -
     assert epoch_batches([5] * 40, 20, 7, 2) == epoch_batches([5] * 40, 20, 7, 2, shard_of, 16)
 
 
+def test_length_windows_pack_like_lengths_together_and_keep_every_record_once() -> None:
+    generator = random.Random(5)
+    lengths = [min(1000, 30 + int(generator.expovariate(1 / 200))) for _ in range(300)]  # mostly short, as chats are
+
+    def padded(batches: list[list[int]]) -> int:
+        return sum(len(batch) * max(lengths[index] for index in batch) for batch in batches)
+
+    plain = epoch_batches(lengths, 1024, seed=1, epoch=0)
+    assert epoch_batches(lengths, 1024, seed=1, epoch=0, length_window=1) == plain
+    for window in (16, 64, 300):
+        grouped = epoch_batches(lengths, 1024, seed=1, epoch=0, length_window=window)
+        assert sorted(index for batch in grouped for index in batch) == list(range(300)), "every record once"
+        assert all(len(batch) * max(lengths[index] for index in batch) <= 1024 for batch in grouped)
+        assert window < 64 or padded(grouped) < 0.9 * padded(plain), (window, padded(grouped), padded(plain))
+        assert grouped == epoch_batches(lengths, 1024, seed=1, epoch=0, length_window=window), "seeded"
+        assert grouped != epoch_batches(lengths, 1024, seed=1, epoch=1, length_window=window), "another epoch"
+        order = epoch_order([0] * 300, 1, 0, 1)
+        for batch in grouped:
+            windows = {order.index(index) // window for index in batch}
+            assert len(windows) == 1, "a batch never mixes two windows of the epoch's order"
+    ascending = [max(lengths[index] for index in batch) for batch in epoch_batches(lengths, 1024, 1, 0, length_window=300)]
+    assert ascending != sorted(ascending), "a window's batches are shuffled, not served shortest first"
+
+
 def test_a_small_buffer_works_through_a_bounded_window_of_shards() -> None:
     shard_of = [index // 5 for index in range(50)]  # 10 shards of 5 records
     order = epoch_order(shard_of, seed=3, epoch=0, buffer_shards=3)

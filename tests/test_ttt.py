@@ -107,6 +107,28 @@ def test_ttt_loss_and_gradients_match_the_dense_reference(steps: int, method: st
     assert len(fast.acc) == steps and all(0.0 <= value <= 1.0 for value in fast.acc)
 
 
+@pytest.mark.integration  # inductor builds its CPU kernels with a C++ compiler in subprocesses
+def test_compiled_dense_parts_give_the_eager_loss_and_gradients() -> None:
+    """training.compile's step (models/ttt_compile.py) over two batch shapes, as a run meets them, equals eager."""
+    from models.ttt_compile import compile_draft_parts
+
+    eager, compiled = tiny_draft(method="eagle3.1"), tiny_draft(method="eagle3.1")
+    loss_fn = compile_draft_parts(compiled)
+    assert compiled.state_dict().keys() == eager.state_dict().keys(), "compiling leaves the checkpoint's tensors as they are"
+    for length, seed in ((12, 1), (20, 2)):
+        batch = random_batch(length=length, seed=seed)
+        for draft in (eager, compiled):
+            draft.zero_grad()
+        slow = ttt_forward(eager, batch, 3)
+        fast = ttt_forward(compiled, batch, 3, loss_fn=loss_fn)
+        assert torch.allclose(fast.loss, slow.loss, atol=1e-5, rtol=1e-5), (fast.loss.item(), slow.loss.item())
+        assert fast.acc == slow.acc
+        slow.loss.backward()
+        fast.loss.backward()
+        for (name, parameter), (_, expected) in zip(compiled.named_parameters(), eager.named_parameters()):
+            assert torch.allclose(parameter.grad, expected.grad, atol=1e-5, rtol=1e-4), (length, name)
+
+
 def attention_inputs(seed: int, shape: tuple[int, int, int, int, int], diagonals: int, magnitude: float,
                      dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """(queries, keys0, values0, diagonal keys, diagonal values) for `shape` = (B, heads, kv heads, T, d);

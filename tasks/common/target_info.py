@@ -7,7 +7,7 @@ directory the same way, so the revision and tokenizer hashes it checks are the o
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import BaseModel, ValidationError
 
@@ -15,7 +15,7 @@ from contract.chat_rendering import bind_template_kwargs
 from contract.config import ModelConfig, RunConfig
 from contract.hashing import hash_files, hash_text
 from tasks.common.artifacts import read_json
-from tasks.common.devices import resolve_device
+from tasks.common.devices import resolve_device, serving_dtype
 
 # Bump when the conversion of a source changes, so cached conversions are rebuilt.
 CONVERTER_VERSION = "1"
@@ -127,13 +127,22 @@ def pad_token_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
-def load_target_model(cfg: RunConfig, directory: Path) -> Any:
-    """The materialised target in `model.dtype` on `runtime.device`, with `runtime.threads` applied."""
+def load_target_model(cfg: RunConfig, directory: Path, dtype: Optional[str] = None) -> Any:
+    """The materialised target in `dtype` (default `model.dtype`) on `runtime.device`, with `runtime.threads`
+    applied."""
     import torch
 
     from models.target_loading import load_target
 
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
-    model, _ = load_target(directory, cfg.model.dtype, cfg.model.trust_remote_code)
+    model, _ = load_target(directory, dtype or cfg.model.dtype, cfg.model.trust_remote_code)
     return model.to(resolve_device(cfg.runtime.device))
+
+
+def features_dtype(cfg: RunConfig) -> str:
+    """The dtype the target computes captured states in (`capture.compute_dtype`, resolved on this host)."""
+    setting = cfg.capture.compute_dtype
+    if setting is None:
+        return cfg.model.dtype
+    return serving_dtype(setting, cfg.model.dtype, resolve_device(cfg.runtime.device))

@@ -11,8 +11,8 @@ What eaglet sends and checks, so that the features are exactly the ones local ca
   - the layer ids in vLLM's numbering (models/target_capture.vllm_layer_id: our decoder layer i is vLLM's
     i + 1), the three aux layers and then the last layer, whose raw output is normed here with the target's
     final norm (vLLM never stores the normed state);
-  - the engine runs the target in `model.dtype`, with prefix caching off (every token's state is computed
-    for the request that asks for it).
+  - the engine runs the target in `capture.compute_dtype` (default `model.dtype`), with prefix caching off
+    (every token's state is computed for the request that asks for it).
 Each state file is deleted once read. `capture.verify_fraction` of the records is compared with an in-process
 capture afterwards (tasks/features/engine_check.py).
 
@@ -43,6 +43,7 @@ from contract.secrets import unredacted_mapping
 from models.eagle3 import RMSNorm
 from models.target_capture import resolve_aux_layer_ids, vllm_layer_id
 from models.target_heads import load_target_heads
+from tasks.common.target_info import features_dtype
 from tasks.features.preparation import Sample
 from tasks.features.state_sources import States
 from tasks.serving.engine import EngineLaunch, RunningEngine
@@ -70,7 +71,7 @@ def engine_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
 
 def capture_launch(cfg: RunConfig, layer_ids: list[int], states_dir: Path, log_path: Path) -> EngineLaunch:
     """runtime.engines.vllm with `capture.engine_env`, extracting `layer_ids` through our connector into
-    `states_dir`; `--dtype model.dtype` comes after the engine's float32 default so it wins."""
+    `states_dir`; `--dtype` (capture.compute_dtype) comes after the engine's float32 default so it wins."""
     launch = EngineLaunch.from_config("vllm", cfg.runtime.engines["vllm"], model=cfg.output_path / "target",
                                       log_path=log_path)
     launch.env.update(unredacted_mapping(cfg.capture.engine_env, "capture.engine_env"))
@@ -85,7 +86,7 @@ def capture_launch(cfg: RunConfig, layer_ids: list[int], states_dir: Path, log_p
         "--kv-transfer-config", json.dumps(transfer),
         "--max-model-len", str(engine_max_length(cfg)),
         "--no-enable-prefix-caching",
-        "--dtype", cfg.model.dtype,
+        "--dtype", features_dtype(cfg),
         *launch.extra_args,
     ]  # fmt: skip
     return launch

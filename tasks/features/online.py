@@ -22,7 +22,7 @@ import queue
 import threading
 from typing import Any, Iterator, Optional, Sequence
 
-from tasks.common.target_info import load_target_model, pad_token_id
+from tasks.common.target_info import features_dtype, load_target_model, pad_token_id
 from tasks.features.engine_states import CAPTURE_URL_VARIABLE, EngineStates, engine_layer_ids
 from tasks.features.manifest import build_manifest
 from tasks.features.preparation import Sample, prepare_inputs
@@ -118,12 +118,12 @@ def online_source(cfg: Any, inputs: Any) -> tuple[StateSource, dict[str, Any]]:
                                "train stage starts the engine and sets it (run `eaglet stage train`)")
         layer_ids = engine_layer_ids(inputs.aux_ids, inputs.info.num_hidden_layers)
         source = EngineStates.from_url(cfg, url, layer_ids)
-        return source, {"backend": "vllm", "engine": "vllm", "online": True, "dtype": cfg.model.dtype,
+        return source, {"backend": "vllm", "engine": "vllm", "online": True, "dtype": features_dtype(cfg),
                         "engine_layer_ids": layer_ids}
-    target = load_target_model(cfg, cfg.output_path / "target")
+    target = load_target_model(cfg, cfg.output_path / "target", features_dtype(cfg))
     target.eval()
     source = LocalStates(target, inputs.aux_ids, pad_token_id(inputs.tokenizer), cfg.capture.batch_size)
-    return source, {"backend": "online", "engine": "transformers, in the trainer", "dtype": cfg.model.dtype}
+    return source, {"backend": "online", "engine": "transformers, in the trainer", "dtype": features_dtype(cfg)}
 
 
 def open_online(cfg: Any) -> tuple[OnlineFeatures, Optional[OnlineFeatures], dict[str, Any]]:

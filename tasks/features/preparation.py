@@ -20,7 +20,7 @@ from contract.config import RunConfig
 from contract.records import Outcome, read_prompt_records
 from models.target_capture import resolve_aux_layer_ids
 from models.vocab_mapping import VocabMapping, build_vocab_mapping, count_tokens, mapping_summary, save_vocab_mapping
-from tasks.common.target_info import TargetInfo, load_tokenizer, read_target_info
+from tasks.common.target_info import TargetInfo, features_dtype, load_tokenizer, read_target_info
 from tasks.features.eval_selection import not_kept_reason, record_key, spread_over_sources
 from tasks.features.shards import SHARD_SCHEMA
 
@@ -148,6 +148,8 @@ def settings_fingerprint(cfg: RunConfig, info: TargetInfo, aux_ids: list[int], v
         "target_revision": info.revision, "tokenizer_hash": info.tokenizer_hash,
         "chat_template_hash": info.chat_template_hash, "model_dtype": cfg.model.dtype, "backend": cfg.capture.backend,
     }
+    if features_dtype(cfg) != cfg.model.dtype:  # states computed in another dtype than the model's are other bytes
+        settings["compute_dtype"] = features_dtype(cfg)
     if cfg.capture.mode == "lossless":
         settings["dtype"] = cfg.capture.dtype
     else:  # the teacher depends on which ids are in the draft vocab

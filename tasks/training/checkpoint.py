@@ -47,7 +47,7 @@ def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str, comp
                 shuffle_groups: int = 1) -> dict[str, Any]:
     """Settings that change the weights a run produces (intervals and retention do not)."""
     training = cfg.training
-    return {
+    fields: dict[str, Any] = {
         "training.mode": training.mode, "training.ttt_length": training.ttt_length,
         "training.learning_rate": training.learning_rate, "training.weight_decay": training.weight_decay,
         "training.warmup_ratio": training.warmup_ratio, "training.max_grad_norm": training.max_grad_norm,
@@ -61,6 +61,9 @@ def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str, comp
         "runtime.seed": cfg.runtime.seed, "deployment.trainer.nproc_per_node": world_size,
         "features.fingerprint": features_fingerprint,
     }
+    if training.length_window > 1:  # absent when off, so checkpoints written before the setting existed still match
+        fields["training.length_window"] = training.length_window
+    return fields
 
 
 @dataclass
