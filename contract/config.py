@@ -334,10 +334,14 @@ class DraftConfig(Section):
     """What kind of drafter the train stage builds (models/eagle3.py `METHOD_FLAGS`). The export, its contract and
     the registry record the method; evaluate, benchmark and register read it from the export, not from here."""
 
-    method: Literal["eagle3", "eagle3.1"] = Field(
+    method: Literal["eagle3", "eagle3.1", "peagle"] = Field(
         default="eagle3", description="eagle3: SGLang's and vLLM's EAGLE3; eagle3.1: EAGLE3 with an RMSNorm per aux "
         "state before fc and the normed output carried to the next draft step (vLLM's fc_norm and norm_output; "
-        "SGLang 0.5 does not serve it)")
+        "SGLang 0.5 does not serve it); peagle: P-EAGLE, EAGLE3 drafting a round's tokens in one pass, every slot "
+        "after the first reading a mask token and a learned mask state (vLLM's parallel_drafting; a chain, vLLM only)")
+    mask_token_id: Optional[int] = Field(
+        default=None, ge=0, description="peagle: the token id of the masked slots; null: the tokenizer's mask token, "
+        "else the first id the embedding has beyond the tokenizer's, else its pad, eos or unk token (as speculators)")
 
 
 class TrainingConfig(Section):
@@ -760,6 +764,18 @@ class RunConfig(Section):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="after")
+    def _parallel_drafting_is_a_chain(self) -> "RunConfig":
+        """P-EAGLE drafts a chain in one pass on vLLM: no draft tree to evaluate, no SGLang to serve it."""
+        if self.draft.method != "peagle":
+            return self
+        if self.evaluation.topk != 1:
+            raise ValueError(f"draft.method peagle drafts a chain: evaluation.topk must be 1, not {self.evaluation.topk}")
+        if "sglang" in self.benchmark.engines:
+            raise ValueError("draft.method peagle is served by vLLM only (SGLang 0.5 has no parallel drafting): "
+                             f"benchmark.engines {self.benchmark.engines}")
+        return self
 
     @model_validator(mode="after")
     def _suites_on_an_engine_need_one(self) -> "RunConfig":

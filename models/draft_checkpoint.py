@@ -3,6 +3,9 @@
 `config.json` (architectures LlamaForCausalLMEagle3, one hidden layer, draft_vocab_size, eagle_config) +
 `model.safetensors` (fc, midlayer.*, norm, lm_head, d2t, t2d; never embed_tokens) + `contract.json`. EAGLE 3.1 adds
 `fc_norm.{0,1,2}.weight` and the config flags `fc_norm` and `norm_output`, which vLLM's llama_eagle3.py reads.
+P-EAGLE adds `mask_hidden` [1, 3H] and the config's `mask_token_id` (vLLM's parallel drafting reads both; it refuses
+to start without `mask_hidden`), and marks itself in eagle_config (`eaglet_parallel_drafting`), from which the
+engine command adds `parallel_drafting` to vLLM's speculative config.
 
 The engines read `eagle_config.eagle_aux_hidden_state_layer_ids` differently (docs/architecture.md §3): SGLang captures
 the output of layer id, vLLM the output of layer id - 1. Our ids mean "output of layer i", so the SGLang
@@ -32,11 +35,14 @@ EXPECTED_TENSORS = (
 )
 #: EAGLE 3.1's per-aux-state norms before fc (config `fc_norm`).
 FC_NORM_TENSORS = ("fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight")
+#: P-EAGLE's learned input state of the masked slots (config `parallel_drafting`).
+MASK_TENSORS = ("mask_hidden",)
 
 
 def expected_tensor_names(config: Eagle3Config) -> tuple[str, ...]:
-    """The tensors a draft of this config saves: EXPECTED_TENSORS, and fc_norm's for EAGLE 3.1."""
-    return EXPECTED_TENSORS + (FC_NORM_TENSORS if config.fc_norm else ())
+    """The tensors a draft of this config saves: EXPECTED_TENSORS, fc_norm's for EAGLE 3.1, mask_hidden for P-EAGLE."""
+    return (EXPECTED_TENSORS + (FC_NORM_TENSORS if config.fc_norm else ())
+            + (MASK_TENSORS if config.parallel_drafting else ()))
 
 
 def engine_layer_ids(aux_layer_ids: list[int], num_target_layers: int, engine: Optional[str]) -> Optional[list[int]]:
@@ -84,6 +90,9 @@ def hf_config(config: Eagle3Config, num_target_layers: int, engine: Optional[str
         result["fc_norm"] = True
     if config.norm_output:
         result["norm_output"] = True
+    if config.parallel_drafting:
+        eagle_config["eaglet_parallel_drafting"] = True
+        result["mask_token_id"] = config.mask_token_id
     return result
 
 
@@ -119,7 +128,15 @@ def config_from_hf(config: dict[str, Any]) -> Eagle3Config:
         bos_token_id=config.get("bos_token_id"), eos_token_id=config.get("eos_token_id"),
         pad_token_id=config.get("pad_token_id"), hidden_act=config.get("hidden_act", "silu"),
         fc_norm=bool(config.get("fc_norm", False)), norm_output=bool(config.get("norm_output", False)),
+        parallel_drafting=bool(eagle.get("eaglet_parallel_drafting", False)),
+        mask_token_id=config.get("mask_token_id"),
     )
+
+
+def export_parallel_drafting(directory: Path) -> bool:
+    """Whether the export in `directory` drafts in parallel (P-EAGLE): its config.json says so."""
+    config = json.loads((directory / "config.json").read_text())
+    return bool(config.get("eagle_config", {}).get("eaglet_parallel_drafting", False))
 
 
 def load_pretrained(directory: Path, target_info: Optional[dict[str, Any]] = None) -> tuple[Eagle3Draft, CheckpointContract]:

@@ -10,6 +10,9 @@ Positions, with n committed tokens x_0..x_{n-1} whose last one (the root) is in 
     one key per earlier step at t (the "diagonal"), here the keys of the node's ancestors.
 The keys of expanded nodes are temporary: they live for one round and are dropped, because the accepted
 positions get their step-0 keys from the target's aux states in the next `draft_extend`, as in training.
+A P-EAGLE draft (`parallel_drafting`, a chain) expands every node from the mask token and fc(mask_hidden) instead of
+its token and its parent's output, as vLLM's one-pass parallel drafting reads them (the causal attention over the
+round's earlier slots is the same).
 """
 
 from __future__ import annotations
@@ -154,6 +157,8 @@ def expand(draft: Eagle3Draft, cache: DraftCache, tree: DraftTree, frontier: lis
     device = cache.keys.device
     ids = torch.tensor([[tree.tokens[node] for node in frontier]], device=device)
     hidden = torch.stack([hidden_of[tree.parents[node]] for node in frontier], dim=1)
+    if draft.config.parallel_drafting:  # P-EAGLE: the slot reads the mask token and state, not its parent's guess
+        ids, hidden = draft.mask_inputs(ids)
     depth = tree.depths[frontier[0]]
     positions = torch.full_like(ids, cache.length - 1 + depth)
     projections = draft.project_qkv(ids, hidden, positions)

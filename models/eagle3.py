@@ -13,8 +13,11 @@ Read top to bottom, this is docs/architecture.md §3's forward:
                                                        #   EAGLE 3.1 (norm_output): norm(h_out) is, instead
     logits = lm_head(norm(h_out))                      # width Vd (draft vocabulary)
 
-The method (`draft.method`) is a pair of flags on the config: `eagle3` has neither, `eagle3.1` both (vLLM's
-`fc_norm` and `norm_output`, read by its llama_eagle3.py; `METHOD_FLAGS`).
+The method (`draft.method`) is a set of flags on the config (`METHOD_FLAGS`): `eagle3` has none, `eagle3.1` sets
+vLLM's `fc_norm` and `norm_output` (read by its llama_eagle3.py), `peagle` sets `parallel_drafting`: P-EAGLE drafts
+all k tokens of a round in one forward pass, the slots after the first reading a mask token (`mask_token_id`) and a
+learned mask state `mask_hidden` [1, 3H] through fc, instead of the previous slot's token and output
+(`mask_inputs`; vLLM serves it as method eagle3 with `parallel_drafting`).
 
 The attention is split in two so the training-time test (models/ttt.py) can add its extra keys:
 `project_qkv` returns rotated queries, keys and values, `finish` applies o_proj, the residual and the MLP.
@@ -35,8 +38,9 @@ from models.target_families import family_of, text_config_of
 
 #: The draft methods of this architecture and the config flags each sets (vLLM's names for them).
 METHOD_FLAGS: dict[str, dict[str, bool]] = {
-    "eagle3": {"fc_norm": False, "norm_output": False},
-    "eagle3.1": {"fc_norm": True, "norm_output": True},
+    "eagle3": {"fc_norm": False, "norm_output": False, "parallel_drafting": False},
+    "eagle3.1": {"fc_norm": True, "norm_output": True, "parallel_drafting": False},
+    "peagle": {"fc_norm": False, "norm_output": False, "parallel_drafting": True},
 }
 
 
@@ -63,12 +67,14 @@ class Eagle3Config:
     hidden_act: str = "silu"
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm per aux state before fc
     norm_output: bool = False  # EAGLE 3.1: the next step reads the normed output, not the pre-norm one
+    parallel_drafting: bool = False  # P-EAGLE: later slots read the mask token and mask_hidden
+    mask_token_id: Optional[int] = None  # P-EAGLE: the token id of every slot after a round's first
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def method(self) -> str:
         """The draft method these flags make (METHOD_FLAGS); "custom" for a mix no method names."""
-        flags = {"fc_norm": self.fc_norm, "norm_output": self.norm_output}
+        flags = {"fc_norm": self.fc_norm, "norm_output": self.norm_output, "parallel_drafting": self.parallel_drafting}
         return next((name for name, wanted in METHOD_FLAGS.items() if wanted == flags), "custom")
 
     def for_method(self, method: str) -> "Eagle3Config":
@@ -244,6 +250,9 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        # P-EAGLE's learned input state of the masked slots, in the aux width (fc projects it), randn as speculators
+        self.mask_hidden = nn.Parameter(torch.randn(1, 3 * config.target_hidden_size)) \
+            if config.parallel_drafting else None
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         self.rope_scale = rope_attention_scaling(config)
         self.embed_tokens: Optional[nn.Embedding] = None
@@ -279,6 +288,15 @@ class Eagle3Draft(nn.Module):
             states = aux.chunk(len(self.fc_norm), dim=-1)
             aux = torch.cat([norm(state) for norm, state in zip(self.fc_norm, states)], dim=-1)
         return self.fc(aux)
+
+    def mask_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE: what every slot after a round's first reads, shaped like `ids` [B, T]: the mask token and
+        fc(mask_hidden) (vLLM's `combine_hidden_states` of it), whatever the previous slot drafted."""
+        if self.mask_hidden is None or self.config.mask_token_id is None:
+            raise RuntimeError(f"a {self.config.method} draft has no mask inputs (P-EAGLE only, with mask_token_id)")
+        hidden = self.project(self.mask_hidden)
+        return (torch.full_like(ids, self.config.mask_token_id),
+                hidden.reshape(1, 1, -1).expand(*ids.shape, hidden.shape[-1]))
 
     def carry(self, h_out: torch.Tensor) -> torch.Tensor:
         """What the next draft step reads as its hidden input: h_out, or norm(h_out) with norm_output (EAGLE 3.1)."""

@@ -5,6 +5,10 @@ The EAGLE3 shift happens here: at step k, position t reads the hidden `fc(aux[t]
 output, the embedding of x_{t+1+k}, RoPE position t + k, and learns the target's distribution at t+1+k
 (the next token after x_{t+1+k}), weighted by the token mask of x_{t+1+k}; past the end the weight is 0.
 
+P-EAGLE (`parallel_drafting`) trains the same slots with the same attention and targets, but at step k >= 1 every
+position reads the mask token and fc(mask_hidden) instead of x_{t+1+k} and the step k-1 output: vLLM drafts its k
+tokens in one pass over exactly these inputs.
+
 Attention at step k: query t sees the step-0 keys 0..t causally, plus from every step j = 1..k only its own
 position t. The causal part runs as one fused scaled-dot-product call (no T x T matrix is built); the
 diagonal terms join it exactly through one extra "virtual" key whose score is chosen per query, so the
@@ -254,6 +258,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 
     output = TTTOutput(loss=hidden.new_zeros(()))
     for step in range(steps):
         step_ids, step_supervised = shift_left(ids, step), shift_left(supervised, step)
+        if step > 0 and draft.config.parallel_drafting:  # P-EAGLE: slot k reads the mask, not slot k-1's guess
+            step_ids, hidden = draft.mask_inputs(ids)
         projections = draft.project_qkv(step_ids, hidden, positions + step)
         if step == 0:
             keys0, values0 = projections.keys, projections.values

@@ -77,7 +77,8 @@ from tasks.serving.agreement import (AGREEMENT_CHECKS, agreement_verdict, engine
                                      run_agreement)
 from tasks.serving.totals_agreement import engine_rounds, offline_rounds, replay_generate, totals_verdict
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
-from tasks.serving.serving_setting import ServingSetting, engines_serving, serving_sweep, unserved_method
+from tasks.serving.serving_setting import (ServingSetting, engines_serving, export_method, serving_sweep,
+                                          unserved_method)
 from tasks.serving.speedup_model import predicted_setting_speedup
 from tasks.serving.counted_completions import CountedMemo
 from tasks.serving.suite_replay import ReplayUnit, replay_suites, replay_units, suites_summary, units_label
@@ -208,7 +209,7 @@ def refuse_unserved_method(kind: str, export: Path) -> None:
     path = export / "contract.json"
     if not path.is_file():
         raise FileNotFoundError(f"benchmark needs {path}: run the train stage (every export carries its contract)")
-    method = read_json(path).get("method", "eagle3")  # exports from before draft.method are EAGLE3
+    method = export_method(export)
     reason = unserved_method(kind, method)
     if reason is not None:
         raise ValueError(f"{export} is {reason}: benchmark it on {engines_serving(method)}")
@@ -529,10 +530,11 @@ def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafte
         failures.append(contract["reason"])
     best = recommended_setting(cfg, per_setting)
     suites = engine_suites(cfg, kind, drafted.get(offline_chain, []), steps)
+    flags = best.engine_flags(kind, export_method(cfg.output_path / "draft" / kind))
     return {
         "baseline": combine_rounds(baselines),
         "num_speculative_tokens": best.steps if best.is_chain else None,
-        "serving_setting": {**best.as_dict(), "label": best.label, "flags": best.engine_flags(kind)},
+        "serving_setting": {**best.as_dict(), "label": best.label, "flags": flags},
         "eagle3": per_setting[best]["eagle3"],
         "speedup": per_setting[best]["speedup"],
         "sweep": [{"label": setting.label, "setting": setting.as_dict(),

@@ -55,6 +55,7 @@ from models.vocab_mapping import load_vocab_mapping
 from tasks.common.artifacts import atomic_file, read_json, write_json
 from tasks.common.devices import autocast, compute_dtype, resolve_device
 from tasks.common.host_compute import host_compute
+from tasks.common.target_info import load_tokenizer
 from tasks.features.batches import SettledCache, collate
 from tasks.features.engine_states import EngineStates, online_capture_engine
 from tasks.features.shards import FeatureSet, check_manifest
@@ -67,6 +68,7 @@ from tasks.training.parallel import (Distributed, full_draft_weights, full_optim
                                      load_full_state, parallelise, setup_distributed)
 from tasks.training.outputs import export, plot_accuracy, training_tracker
 from tasks.training.launch import launch_config_path, other_node_commands, torchrun_command
+from tasks.training.mask_token import resolve_mask_token_id
 from tasks.training.rank_environment import PARENT_RUN_VARIABLE, rank_secrets, with_rank_secrets
 
 
@@ -176,7 +178,11 @@ def build_draft(cfg: RunConfig, heads: TargetHeads, manifest: dict[str, Any], de
     target_config = AutoConfig.from_pretrained(cfg.output_path / "target", trust_remote_code=cfg.model.trust_remote_code)
     torch.manual_seed(cfg.runtime.seed)
     config = Eagle3Config.from_target(target_config, vocab.draft_vocab_size, manifest["aux_layer_ids"])
-    draft = Eagle3Draft(config.for_method(cfg.draft.method))
+    config = config.for_method(cfg.draft.method)
+    if config.parallel_drafting:
+        tokenizer = load_tokenizer(cfg.output_path / "target", cfg.model)
+        config.mask_token_id = resolve_mask_token_id(cfg.draft.mask_token_id, tokenizer, config.vocab_size)
+    draft = Eagle3Draft(config)
     draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
     draft.to(device)
     draft.attach_embedding(heads.embedding)

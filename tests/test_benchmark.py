@@ -770,19 +770,31 @@ def test_a_drafter_exported_with_a_shuffled_vocab_mapping_fails_the_agreement_ch
 @pytest.fixture(scope="module")
 def eagle31_run(drafted_run: RunConfig, tmp_path_factory: pytest.TempPathFactory) -> RunConfig:
     """drafted_run's data and features trained again as EAGLE 3.1 (draft.method), exported and evaluated offline."""
+    return retrained_run(drafted_run, tmp_path_factory.mktemp("eagle31") / "run", "eagle3.1")
+
+
+@pytest.fixture(scope="module")
+def peagle_run(drafted_run: RunConfig, tmp_path_factory: pytest.TempPathFactory) -> RunConfig:
+    """The same, trained as P-EAGLE (a chain: the offline evaluation drafts it as vLLM does, in one pass)."""
+    return retrained_run(drafted_run, tmp_path_factory.mktemp("peagle") / "run", "peagle")
+
+
+def retrained_run(drafted_run: RunConfig, directory: Path, method: str) -> RunConfig:
+    """drafted_run's inputs copied to `directory`, trained as `method`, exported and evaluated offline."""
     import shutil
 
     from contract.config import DraftConfig
     from tasks import evaluate, train
 
-    directory = tmp_path_factory.mktemp("eagle31") / "run"
     produced = {"benchmark", "draft", "checkpoints", "train", "evaluate"}  # by the stages this run repeats
 
     def left_behind(folder: str, names: list[str]) -> list[str]:
         return [name for name in names if name in produced] if Path(folder) == drafted_run.output_path else []
 
     shutil.copytree(drafted_run.output_path, directory, ignore=left_behind)
-    cfg = drafted_run.model_copy(update={"output_dir": str(directory), "draft": DraftConfig(method="eagle3.1")})
+    evaluation = drafted_run.evaluation.model_copy(update={"topk": 1})
+    cfg = drafted_run.model_copy(update={"output_dir": str(directory), "draft": DraftConfig(method=method),
+                                         "evaluation": evaluation})
     train.run(cfg)
     evaluate.run(cfg)
     return cfg
@@ -821,6 +833,38 @@ def test_vllm_serves_an_eagle31_drafter_as_trained_and_a_planted_defect_fails(ea
     otherwise = [(row["engine"]["drafts"], row["engine"]["accepted_per_position"])
                  for row in carried_otherwise["per_prompt"]]
     assert drafted != otherwise, "vLLM ignored norm_output"
+
+
+def test_vllm_serves_a_peagle_drafter_in_one_pass_as_trained_and_planted_defects_fail(peagle_run: RunConfig,
+                                                                                         tmp_path: Path) -> None:
+    """P-EAGLE on vLLM's CPU build (parallel_drafting from the export): the engine agrees with the offline decoder's
+    one-pass chain per position; a shuffled vocab mapping fails, and so does a wrong mask token (the masked slots
+    then read another token's embedding)."""
+    import shutil
+
+    cfg = peagle_run
+    export = cfg.output_path / "draft" / "vllm"
+    config = json.loads((export / "config.json").read_text())
+    assert config["eagle_config"]["eaglet_parallel_drafting"] is True and isinstance(config["mask_token_id"], int)
+    assert json.loads((export / "contract.json").read_text())["method"] == "peagle"
+    check = replay_on_engine(cfg, export, "peagle")
+    print(f"\nP-EAGLE export:\n{agreement_table(check)}")
+    assert check["status"] == "ok", agreement_table(check)
+    assert check["engine_mean_accept_length"] > 1.5, "trained on this very text, its drafts are accepted"
+    assert check["positions"][1]["engine"]["accepted"] > 0, "the masked second slot is accepted too"
+
+    shuffled = shuffled_vocab_export(export, tmp_path / "peagle-shuffled-vocab")
+    failed = replay_on_engine(cfg, shuffled, "peagle-shuffled-vocab")
+    print(f"\nP-EAGLE export, vocab mapping shuffled:\n{agreement_table(failed)}")
+    assert failed["status"] == "failed", agreement_table(failed)
+
+    wrong_mask = tmp_path / "peagle-wrong-mask-token"
+    shutil.copytree(export, wrong_mask)
+    config["mask_token_id"] = (config["mask_token_id"] + 1) % config["vocab_size"]
+    (wrong_mask / "config.json").write_text(json.dumps(config))
+    masked_otherwise = replay_on_engine(cfg, wrong_mask, "peagle-wrong-mask")
+    print(f"\nP-EAGLE export with another mask token:\n{agreement_table(masked_otherwise)}")
+    assert masked_otherwise["status"] == "failed", agreement_table(masked_otherwise)
 
 
 def test_vllm_sweep_measures_each_chain_length_and_recommends_the_fastest(drafted_run: RunConfig) -> None:

@@ -174,6 +174,52 @@ def test_an_eagle31_draft_norms_each_aux_state_carries_its_normed_output_and_rou
         load_pretrained(directory)
 
 
+def test_a_peagle_draft_exports_its_mask_state_and_token_and_round_trips(tmp_path: Path, tiny) -> None:
+    """P-EAGLE (draft.method peagle): the export carries mask_hidden [1, 3H] and config mask_token_id, marks itself for
+    the engine command (vLLM's parallel_drafting), loads back as the same method, and the doctor checks both."""
+    from models.draft_checkpoint import MASK_TENSORS, export_parallel_drafting
+    from tasks.registry.doctor import inspect_checkpoint
+    from tasks.serving.engine import EngineLaunch, engine_command
+
+    model, tokenizer = tiny
+    torch.manual_seed(0)
+    config = Eagle3Config.from_target(model.config, draft_vocab_size=model.config.vocab_size, aux_layer_ids=AUX_LAYERS)
+    config = config.for_method("peagle")
+    config.mask_token_id = 3
+    draft = Eagle3Draft(config)
+    draft.attach_embedding(model.get_input_embeddings().weight)
+    assert draft.config.method == "peagle" and list(draft.mask_hidden.shape) == [1, 3 * model.config.hidden_size]
+    ids = torch.tensor([[5, 6, 7]])
+    mask_ids, mask_hidden = draft.mask_inputs(ids)
+    assert mask_ids.tolist() == [[3, 3, 3]] and list(mask_hidden.shape) == [1, 3, model.config.hidden_size]
+    torch.testing.assert_close(mask_hidden[0, 2], draft.fc(draft.mask_hidden)[0])
+
+    info = target_info_for(model)
+    contract = contract_for(model, info).model_copy(update={"method": "peagle"})
+    directory = save_pretrained(draft, tmp_path / "draft", contract, num_target_layers=6, engine="vllm")
+    exported = json.loads((directory / "config.json").read_text())
+    assert exported["mask_token_id"] == 3 and export_parallel_drafting(directory)
+    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
+        assert set(handle.keys()) == set(EXPECTED_TENSORS) | set(MASK_TENSORS)
+    loaded, _ = load_pretrained(directory, target_info=info)
+    assert loaded.config.method == "peagle" and loaded.config.mask_token_id == 3
+    assert torch.equal(loaded.mask_hidden, draft.mask_hidden)
+    checks = inspect_checkpoint(directory, {**info, "num_hidden_layers": 6, "id": "tiny"})
+    assert all(check.ok for check in checks), [check for check in checks if not check.ok]
+    assert {"tensor mask_hidden", "config.mask_token_id"} <= {check.field for check in checks}
+
+    launch = EngineLaunch(kind="vllm", model=tmp_path, python="python", port=1, log_path=tmp_path / "log",
+                          draft=directory, num_speculative_tokens=3)
+    command = engine_command(launch)
+    spec = json.loads(command[command.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": str(directory), "num_speculative_tokens": 3, "parallel_drafting": True}
+
+    exported["mask_token_id"] = model.config.vocab_size  # not a row of the target's embedding: the doctor says so
+    (directory / "config.json").write_text(json.dumps(exported))
+    bad = [check for check in inspect_checkpoint(directory, {**info, "num_hidden_layers": 6, "id": "tiny"}) if not check.ok]
+    assert [check.field for check in bad] == ["config.mask_token_id"]
+
+
 def test_engine_exports_differ_only_in_the_layer_id_convention(tmp_path: Path, tiny) -> None:
     model, _ = tiny
     draft = new_draft(model)

@@ -63,7 +63,10 @@ def prompts(tiny_target_dir: Path) -> dict[str, list[list[int]]]:
 
 def new_draft(model, d2t: torch.Tensor, t2d: torch.Tensor, method: str = "eagle3") -> Eagle3Draft:
     torch.manual_seed(0)
-    draft = Eagle3Draft(Eagle3Config.from_target(model.config, int(d2t.numel()), AUX_LAYERS).for_method(method))
+    config = Eagle3Config.from_target(model.config, int(d2t.numel()), AUX_LAYERS).for_method(method)
+    if config.parallel_drafting:
+        config.mask_token_id = model.config.vocab_size - 1
+    draft = Eagle3Draft(config)
     draft.set_vocab_mapping(d2t, t2d)
     draft.attach_embedding(model.get_input_embeddings().weight)
     draft.initialise_from_target(model.lm_head.weight, model.model.norm.weight)
@@ -96,6 +99,12 @@ def trained_draft(target, prompts) -> Eagle3Draft:
 def trained_eagle31_draft(target, prompts) -> Eagle3Draft:
     """The same, as EAGLE 3.1 (fc_norm, norm_output)."""
     return overfit_draft(target, prompts, "eagle3.1")
+
+
+@pytest.fixture(scope="module")
+def trained_peagle_draft(target, prompts) -> Eagle3Draft:
+    """The same, as P-EAGLE (the second and third slots read the mask token and mask_hidden)."""
+    return overfit_draft(target, prompts, "peagle")
 
 
 def overfit_draft(target, prompts, method: str) -> Eagle3Draft:
@@ -179,6 +188,20 @@ def test_an_eagle31_draft_decodes_the_targets_greedy_output_and_is_accepted(targ
 
 
 @pytest.mark.parametrize("steps, topk, num_draft_tokens", [(3, 1, 4), (4, 3, 10)])
+def test_a_peagle_draft_decodes_the_targets_greedy_output_and_its_later_slots_are_accepted(
+        target, trained_peagle_draft, prompts) -> None:
+    decoder = SpeculativeDecoder(target, trained_peagle_draft, AUX_LAYERS, 3, 1, 4)
+    means = []
+    for prompt in prompts["trained"]:
+        expected = target_generate(target, prompt, 24)
+        tokens, stats = decoder.generate(prompt, 24)
+        assert tokens == expected
+        check_round_accounting(stats.accept_lengths, 24)
+        means.append(stats.mean_accept_length)
+        assert stats.acceptance_by_depth()[1] > 0.0, "the masked second slot is accepted too"
+    assert sum(means) / len(means) > 2.0, means
+
+
 def test_greedy_output_equals_the_targets_with_a_random_draft(target, untrained_draft, prompts, steps, topk,
                                                               num_draft_tokens) -> None:
     decoder = SpeculativeDecoder(target, untrained_draft, AUX_LAYERS, steps, topk, num_draft_tokens)
@@ -256,7 +279,8 @@ def test_tree_verification_equals_decoding_each_branch_alone(target, trained_dra
 def ttt_logprobs(draft: Eagle3Draft, aux: torch.Tensor, ids: list[int], depth: int) -> list[torch.Tensor]:
     """The training-time test's view of one branch: log-probs at the last context position for steps 0..depth.
 
-    aux [T, 3H] (context positions 0..T-1), ids = x_1..x_T then the branch tokens a_1..a_depth."""
+    aux [T, 3H] (context positions 0..T-1), ids = x_1..x_T then the branch tokens a_1..a_depth (P-EAGLE reads the
+    mask token and fc(mask_hidden) at every step after the first instead)."""
     length = aux.shape[0]
     tokens = torch.tensor([ids])
     positions = torch.arange(length)[None]
@@ -264,7 +288,11 @@ def ttt_logprobs(draft: Eagle3Draft, aux: torch.Tensor, ids: list[int], depth: i
     keys0 = values0 = None
     diagonal_keys, diagonal_values, result = [], [], []
     for step in range(depth + 1):
-        projections = draft.project_qkv(tokens[:, step: step + length], hidden, positions + step)
+        step_ids = tokens[:, step: step + length]
+        if step > 0 and draft.config.parallel_drafting:
+            step_ids = torch.full_like(step_ids, draft.config.mask_token_id)
+            hidden = draft.fc(draft.mask_hidden).expand(1, length, -1)
+        projections = draft.project_qkv(step_ids, hidden, positions + step)
         if step == 0:
             keys0, values0 = projections.keys, projections.values
         else:
@@ -277,15 +305,17 @@ def ttt_logprobs(draft: Eagle3Draft, aux: torch.Tensor, ids: list[int], depth: i
     return result
 
 
-@pytest.mark.parametrize("method", ["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("method", ["eagle3", "eagle3.1", "peagle"])
 def test_draft_tree_steps_equal_the_training_time_test_of_each_branch(target, prompts, method, request) -> None:
-    trained_draft = request.getfixturevalue("trained_draft" if method == "eagle3" else "trained_eagle31_draft")
+    fixture = {"eagle3": "trained_draft", "eagle3.1": "trained_eagle31_draft", "peagle": "trained_peagle_draft"}
+    trained_draft = request.getfixturevalue(fixture[method])
+    topk = 1 if method == "peagle" else 3  # P-EAGLE drafts a chain
     prompt = prompts["unseen"][1]
     with torch.inference_mode():
         aux, _ = capture_states(target, torch.tensor([prompt]), AUX_LAYERS)
-        _, _, candidates, _ = drafted_tree(target, trained_draft, prompt, topk=3, steps=4, num_draft_tokens=10)
+        _, _, candidates, _ = drafted_tree(target, trained_draft, prompt, topk=topk, steps=4, num_draft_tokens=10)
         context_ids = prompt[1:] + [candidates.tokens[0]]
-        assert len(candidates.expanded_logprobs) == 1 + 3 * 3
+        assert len(candidates.expanded_logprobs) == 1 + 3 * topk
         for node, logprobs in candidates.expanded_logprobs.items():
             branch = [candidates.tokens[i] for i in candidates.path(node)[1:]]
             expected = ttt_logprobs(trained_draft, aux, context_ids + branch, len(branch))[-1]

@@ -26,7 +26,10 @@ TINY = Eagle3Config(
 
 def tiny_draft(seed: int = 0, method: str = "eagle3") -> Eagle3Draft:
     torch.manual_seed(seed)
-    draft = Eagle3Draft(TINY.for_method(method))
+    config = TINY.for_method(method)
+    if config.parallel_drafting:
+        config.mask_token_id = TINY.vocab_size - 1
+    draft = Eagle3Draft(config)
     for parameter in draft.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     draft.attach_embedding(torch.randn(TINY.vocab_size, TINY.hidden_size))
@@ -69,6 +72,9 @@ def reference_ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> torch
     total = torch.zeros(())
     for step in range(steps):
         ids = torch.stack([at(batch.input_ids, t + 1 + step) for t in range(length)], dim=1).long()
+        if step > 0 and draft.config.parallel_drafting:  # P-EAGLE: later slots read the mask token and state
+            ids = torch.full_like(ids, draft.config.mask_token_id)
+            hidden = draft.fc(draft.mask_hidden).expand(size, length, -1)
         mask = torch.stack([at(weights, t + 1 + step) for t in range(length)], dim=1)
         probs = torch.stack([at(batch.target_probs, t + 1 + step) for t in range(length)], dim=1)
         probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
@@ -93,7 +99,8 @@ def reference_ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> torch
     return total
 
 
-@pytest.mark.parametrize("steps, method", [(1, "eagle3"), (3, "eagle3"), (7, "eagle3"), (3, "eagle3.1")])
+@pytest.mark.parametrize("steps, method", [(1, "eagle3"), (3, "eagle3"), (7, "eagle3"), (3, "eagle3.1"),
+                                           (3, "peagle")])
 def test_ttt_loss_and_gradients_match_the_dense_reference(steps: int, method: str) -> None:
     draft, reference = tiny_draft(method=method), tiny_draft(method=method)
     batch = random_batch()

@@ -429,12 +429,18 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[str, list[int]]]
         "d2t": ("int64", [config["draft_vocab_size"]]),
         "t2d": ("bool", [config["vocab_size"]]),
         **(fc_norm_tensors(target_hidden) if config.get("fc_norm") else {}),
+        **(mask_tensors(target_hidden) if config.get("eagle_config", {}).get("eaglet_parallel_drafting") else {}),
     }
 
 
 def fc_norm_tensors(target_hidden: int) -> dict[str, tuple[str, list[int]]]:
     """EAGLE 3.1's RMSNorm weights, one per aux state (config `fc_norm`)."""
     return {f"fc_norm.{index}.weight": ("float", [target_hidden]) for index in range(3)}
+
+
+def mask_tensors(target_hidden: int) -> dict[str, tuple[str, list[int]]]:
+    """P-EAGLE's learned state of the masked slots, in the aux width (vLLM refuses a parallel drafter without it)."""
+    return {"mask_hidden": ("float", [1, 3 * target_hidden])}
 
 
 def dtype_kind(safetensors_dtype: str) -> str:
@@ -471,8 +477,14 @@ def config_checks(config: dict[str, Any], contract: CheckpointContract) -> list[
         ("config.target_hidden_size", target_hidden, contract.hidden_size),
         ("contract.fusion_dims", contract.fusion_dims, [3 * (target_hidden or 0), config.get("hidden_size")]),
     ]
-    return [Check(name, found == wanted, f"{found!r}" + ("" if found == wanted else f", expected {wanted!r}"))
-            for name, found, wanted in pairs]
+    checks = [Check(name, found == wanted, f"{found!r}" + ("" if found == wanted else f", expected {wanted!r}"))
+              for name, found, wanted in pairs]
+    if (config.get("eagle_config") or {}).get("eaglet_parallel_drafting"):
+        mask = config.get("mask_token_id")
+        fits = isinstance(mask, int) and 0 <= mask < (contract.vocab_size or 0)
+        checks.append(Check("config.mask_token_id", fits, f"{mask!r}" + ("" if fits else
+                            f": P-EAGLE needs a token id below the target's vocab_size {contract.vocab_size}")))
+    return checks
 
 
 def layer_id_checks(config: dict[str, Any], contract: CheckpointContract, num_target_layers: int) -> list[Check]:

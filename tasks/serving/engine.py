@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Literal, Optional
 
 from contract.secrets import unredacted_mapping
+from tasks.serving.serving_setting import export_method, vllm_speculative_config
 
 EngineKind = Literal["vllm", "sglang"]
 
@@ -145,7 +146,7 @@ def engine_command(launch: EngineLaunch) -> list[str]:
             "--dtype", launch.dtype or "float32",
         ]  # fmt: skip
         if launch.draft is not None:
-            spec = {"method": "eagle3", "model": str(launch.draft), "num_speculative_tokens": n}
+            spec = vllm_speculative_config(export_method(launch.draft), n, model=str(launch.draft))
             command += ["--speculative-config", json.dumps(spec)]
     elif launch.kind == "sglang":
         command = [

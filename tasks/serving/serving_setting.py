@@ -9,14 +9,39 @@ acceptance and on the engine's step times, so the benchmark measures each on the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 
 #: The draft methods each engine serves as trained (models/eagle3.py METHOD_FLAGS). SGLang 0.5's llama_eagle3.py reads
 #: neither fc_norm nor norm_output: it would load an EAGLE 3.1 export without its fc_norm tensors and carry the
-#: pre-norm output, serving another drafter than the one trained.
-SERVED_METHODS = {"vllm": ("eagle3", "eagle3.1"), "sglang": ("eagle3",)}
+#: pre-norm output, serving another drafter than the one trained; it has no parallel drafting (P-EAGLE) either.
+SERVED_METHODS = {"vllm": ("eagle3", "eagle3.1", "peagle"), "sglang": ("eagle3",)}
+#: The methods vLLM drafts with `parallel_drafting`: all k tokens of a round in one forward pass.
+PARALLEL_METHODS = ("peagle",)
+
+
+def export_method(export: Path) -> str:
+    """The draft method an export was trained as, from its contract.json (exports from before draft.method, and a
+    directory without a contract, are EAGLE3)."""
+    path = export / "contract.json"
+    if not path.is_file():
+        return "eagle3"
+    return str(json.loads(path.read_text()).get("method", "eagle3"))
+
+
+def vllm_speculative_config(method: str, steps: int, model: Optional[str] = None) -> dict[str, Any]:
+    """vLLM's --speculative-config for a `method` drafter drafting `steps` tokens: each of eaglet's methods is vLLM's
+    eagle3 (EAGLE 3.1's flags are in the export's config.json); P-EAGLE adds `parallel_drafting`."""
+    config: dict[str, Any] = {"method": "eagle3"}
+    if model is not None:
+        config["model"] = model
+    config["num_speculative_tokens"] = steps
+    if method in PARALLEL_METHODS:
+        config["parallel_drafting"] = True
+    return config
 
 
 def unserved_method(kind: str, method: str) -> Optional[str]:
@@ -59,10 +84,11 @@ class ServingSetting:
     def as_dict(self) -> dict[str, int]:
         return {"steps": self.steps, "topk": self.topk, "num_draft_tokens": self.num_draft_tokens}
 
-    def engine_flags(self, kind: str) -> dict[str, Any]:
-        """What to pass to the engine to serve this setting (recorded with the recommendation)."""
+    def engine_flags(self, kind: str, method: str = "eagle3") -> dict[str, Any]:
+        """What to pass to the engine to serve this setting with a `method` drafter (recorded with the
+        recommendation)."""
         if kind == "vllm":
-            return {"speculative_config": {"method": "eagle3", "num_speculative_tokens": self.steps}}
+            return {"speculative_config": vllm_speculative_config(method, self.steps)}
         return {"--speculative-num-steps": self.steps, "--speculative-eagle-topk": self.topk,
                 "--speculative-num-draft-tokens": self.num_draft_tokens}
 

@@ -61,8 +61,13 @@ def math_fields(cfg: RunConfig, world_size: int, features_fingerprint: str, comp
         "runtime.seed": cfg.runtime.seed, "deployment.trainer.nproc_per_node": world_size,
         "features.fingerprint": features_fingerprint,
     }
-    if training.length_window > 1:  # absent when off, so checkpoints written before the setting existed still match
+    # absent at their defaults, so checkpoints written before these settings existed still match
+    if training.length_window > 1:
         fields["training.length_window"] = training.length_window
+    if cfg.draft.method != "eagle3":
+        fields["draft.method"] = cfg.draft.method
+    if cfg.draft.mask_token_id is not None:
+        fields["draft.mask_token_id"] = cfg.draft.mask_token_id
     return fields
 
 
