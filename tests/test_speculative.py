@@ -187,7 +187,6 @@ def test_an_eagle31_draft_decodes_the_targets_greedy_output_and_is_accepted(targ
         assert sum(means) / len(means) > 2.0, "trained on these continuations, its drafts are accepted"
 
 
-@pytest.mark.parametrize("steps, topk, num_draft_tokens", [(3, 1, 4), (4, 3, 10)])
 def test_a_peagle_draft_decodes_the_targets_greedy_output_and_its_later_slots_are_accepted(
         target, trained_peagle_draft, prompts) -> None:
     decoder = SpeculativeDecoder(target, trained_peagle_draft, AUX_LAYERS, 3, 1, 4)
@@ -202,6 +201,7 @@ def test_a_peagle_draft_decodes_the_targets_greedy_output_and_its_later_slots_ar
     assert sum(means) / len(means) > 2.0, means
 
 
+@pytest.mark.parametrize("steps, topk, num_draft_tokens", [(3, 1, 4), (4, 3, 10)])
 def test_greedy_output_equals_the_targets_with_a_random_draft(target, untrained_draft, prompts, steps, topk,
                                                               num_draft_tokens) -> None:
     decoder = SpeculativeDecoder(target, untrained_draft, AUX_LAYERS, steps, topk, num_draft_tokens)
