@@ -4,8 +4,8 @@
 `model.safetensors` (fc, midlayer.*, norm, lm_head, d2t, t2d; never embed_tokens) + `contract.json`. EAGLE 3.1 adds
 `fc_norm.{0,1,2}.weight` and the config flags `fc_norm` and `norm_output`, which vLLM's llama_eagle3.py reads.
 P-EAGLE adds `mask_hidden` [1, 3H] and the config's `mask_token_id` (vLLM's parallel drafting reads both; it refuses
-to start without `mask_hidden`), and marks itself in eagle_config (`eaglet_parallel_drafting`), from which the
-engine command adds `parallel_drafting` to vLLM's speculative config.
+to start without `mask_hidden`), and marks itself in eagle_config (`eaglet_parallel_drafting`), from which it loads
+back as P-EAGLE; the engine command adds `parallel_drafting` from the export's contract (tasks/serving/serving_setting.py).
 
 The engines read `eagle_config.eagle_aux_hidden_state_layer_ids` differently (docs/architecture.md §3): SGLang captures
 the output of layer id, vLLM the output of layer id - 1. Our ids mean "output of layer i", so the SGLang
@@ -132,11 +132,6 @@ def config_from_hf(config: dict[str, Any]) -> Eagle3Config:
         mask_token_id=config.get("mask_token_id"),
     )
 
-
-def export_parallel_drafting(directory: Path) -> bool:
-    """Whether the export in `directory` drafts in parallel (P-EAGLE): its config.json says so."""
-    config = json.loads((directory / "config.json").read_text())
-    return bool(config.get("eagle_config", {}).get("eaglet_parallel_drafting", False))
 
 
 def load_pretrained(directory: Path, target_info: Optional[dict[str, Any]] = None) -> tuple[Eagle3Draft, CheckpointContract]:

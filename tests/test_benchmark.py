@@ -731,6 +731,11 @@ def replay_on_engine(cfg: RunConfig, draft: Path, variant: str) -> dict[str, Any
                                      steps)
 
 
+def engine_drafts(check: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """Each prompt's drafts and accepted tokens per position on the engine, from an agreement check."""
+    return [(row["engine"]["drafts"], row["engine"]["accepted_per_position"]) for row in check["per_prompt"]]
+
+
 def shuffled_vocab_export(export: Path, destination: Path) -> Path:
     """A copy of `export` whose d2t is shuffled: each draft id now names another target token."""
     import shutil
@@ -829,10 +834,7 @@ def test_vllm_serves_an_eagle31_drafter_as_trained_and_a_planted_defect_fails(ea
     (pre_norm / "config.json").write_text(json.dumps(config))
     carried_otherwise = replay_on_engine(cfg, pre_norm, "eagle31-pre-norm")
     print(f"\nEAGLE 3.1 export without norm_output:\n{agreement_table(carried_otherwise)}")
-    drafted = [(row["engine"]["drafts"], row["engine"]["accepted_per_position"]) for row in check["per_prompt"]]
-    otherwise = [(row["engine"]["drafts"], row["engine"]["accepted_per_position"])
-                 for row in carried_otherwise["per_prompt"]]
-    assert drafted != otherwise, "vLLM ignored norm_output"
+    assert engine_drafts(check) != engine_drafts(carried_otherwise), "vLLM ignored norm_output"
 
 
 def test_vllm_serves_a_peagle_drafter_in_one_pass_as_trained_and_planted_defects_fail(peagle_run: RunConfig,
@@ -878,10 +880,7 @@ def test_vllm_serves_a_peagle_drafter_in_one_pass_as_trained_and_planted_defects
     save_file(tensors, str(lost_state / "model.safetensors"), metadata={"format": "pt"})
     failed_state = replay_on_engine(cfg, lost_state, "peagle-zero-mask-state")
     print(f"\nP-EAGLE export with its learned mask state zeroed:\n{agreement_table(failed_state)}")
-    drafted = [(row["engine"]["drafts"], row["engine"]["accepted_per_position"]) for row in check["per_prompt"]]
-    otherwise = [(row["engine"]["drafts"], row["engine"]["accepted_per_position"])
-                 for row in failed_state["per_prompt"]]
-    assert drafted != otherwise, "vLLM ignored mask_hidden"
+    assert engine_drafts(check) != engine_drafts(failed_state), "vLLM ignored mask_hidden"
 
 
 def test_vllm_sweep_measures_each_chain_length_and_recommends_the_fastest(drafted_run: RunConfig) -> None:

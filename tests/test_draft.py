@@ -177,7 +177,8 @@ def test_an_eagle31_draft_norms_each_aux_state_carries_its_normed_output_and_rou
 def test_a_peagle_draft_exports_its_mask_state_and_token_and_round_trips(tmp_path: Path, tiny) -> None:
     """P-EAGLE (draft.method peagle): the export carries mask_hidden [1, 3H] and config mask_token_id, marks itself for
     the engine command (vLLM's parallel_drafting), loads back as the same method, and the doctor checks both."""
-    from models.draft_checkpoint import MASK_TENSORS, export_parallel_drafting
+    from models.draft_checkpoint import MASK_TENSORS
+    from tasks.serving.serving_setting import export_method
     from tasks.registry.doctor import inspect_checkpoint
     from tasks.serving.engine import EngineLaunch, engine_command
 
@@ -198,7 +199,8 @@ def test_a_peagle_draft_exports_its_mask_state_and_token_and_round_trips(tmp_pat
     contract = contract_for(model, info).model_copy(update={"method": "peagle"})
     directory = save_pretrained(draft, tmp_path / "draft", contract, num_target_layers=6, engine="vllm")
     exported = json.loads((directory / "config.json").read_text())
-    assert exported["mask_token_id"] == 3 and export_parallel_drafting(directory)
+    assert exported["mask_token_id"] == 3 and exported["eagle_config"]["eaglet_parallel_drafting"] is True
+    assert export_method(directory) == "peagle"
     with safe_open(str(directory / "model.safetensors"), "pt") as handle:
         assert set(handle.keys()) == set(EXPECTED_TENSORS) | set(MASK_TENSORS)
     loaded, _ = load_pretrained(directory, target_info=info)
