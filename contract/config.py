@@ -334,14 +334,21 @@ class DraftConfig(Section):
     """What kind of drafter the train stage builds (models/eagle3.py `METHOD_FLAGS`). The export, its contract and
     the registry record the method; evaluate, benchmark and register read it from the export, not from here."""
 
-    method: Literal["eagle3", "eagle3.1", "peagle"] = Field(
+    method: Literal["eagle3", "eagle3.1", "peagle", "dflash"] = Field(
         default="eagle3", description="eagle3: SGLang's and vLLM's EAGLE3; eagle3.1: EAGLE3 with an RMSNorm per aux "
         "state before fc and the normed output carried to the next draft step (vLLM's fc_norm and norm_output; "
         "SGLang 0.5 does not serve it); peagle: P-EAGLE, EAGLE3 drafting a round's tokens in one pass, every slot "
-        "after the first reading a mask token and a learned mask state (vLLM's parallel_drafting; a chain, vLLM only)")
+        "after the first reading a mask token and a learned mask state (vLLM's parallel_drafting; a chain, vLLM only); "
+        "dflash: DFlash, Qwen3-style layers drafting a block [token, mask...] in one non-causal pass over the "
+        "target's fused states (vLLM's dflash; a chain, vLLM only; its block has training.ttt_length mask slots)")
     mask_token_id: Optional[int] = Field(
-        default=None, ge=0, description="peagle: the token id of the masked slots; null: the tokenizer's mask token, "
-        "else the first id the embedding has beyond the tokenizer's, else its pad, eos or unk token (as speculators)")
+        default=None, ge=0, description="peagle, dflash: the token id of the masked slots; null: the tokenizer's mask "
+        "token, else the first id the embedding has beyond the tokenizer's, else its pad, eos or unk token (as "
+        "speculators)")
+    num_layers: int = Field(default=1, ge=1, description="dflash: decoder layers of the draft (SpecForge's Qwen3-8B "
+                            "recipe uses 5; the EAGLE3 methods have exactly one)")
+    anchors: int = Field(default=512, ge=1, description="dflash: training blocks per record, drawn among its "
+                         "supervised positions (as SpecForge's num_anchors)")
 
 
 class TrainingConfig(Section):
@@ -767,14 +774,27 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _parallel_drafting_is_a_chain(self) -> "RunConfig":
-        """P-EAGLE drafts a chain in one pass on vLLM: no draft tree to evaluate, no SGLang to serve it."""
-        if self.draft.method != "peagle":
+        """P-EAGLE and DFlash draft a chain in one pass on vLLM: no draft tree to evaluate, no SGLang to serve it;
+        DFlash's block has training.ttt_length mask slots, so no chain longer than that."""
+        method = self.draft.method
+        if self.draft.num_layers != 1 and method != "dflash":
+            raise ValueError(f"draft.num_layers {self.draft.num_layers}: a {method} draft has exactly one layer "
+                             "(draft.method dflash has several)")
+        if method not in ("peagle", "dflash"):
             return self
         if self.evaluation.topk != 1:
-            raise ValueError(f"draft.method peagle drafts a chain: evaluation.topk must be 1, not {self.evaluation.topk}")
+            raise ValueError(f"draft.method {method} drafts a chain: evaluation.topk must be 1, "
+                             f"not {self.evaluation.topk}")
         if "sglang" in self.benchmark.engines:
-            raise ValueError("draft.method peagle is served by vLLM only (SGLang 0.5 has no parallel drafting): "
+            raise ValueError(f"draft.method {method} is served by vLLM only (SGLang 0.5 has no parallel drafting): "
                              f"benchmark.engines {self.benchmark.engines}")
+        if method == "dflash" and self.training.compile:
+            raise ValueError("training.compile compiles the EAGLE3 step; draft.method dflash trains eagerly")
+        longest = max([self.evaluation.steps, *self.benchmark.num_speculative_tokens])
+        if method == "dflash" and longest > self.training.ttt_length:
+            raise ValueError(f"draft.method dflash trains blocks of training.ttt_length {self.training.ttt_length} "
+                             f"mask slots: it cannot draft {longest} tokens (evaluation.steps, "
+                             "benchmark.num_speculative_tokens)")
         return self
 
     @model_validator(mode="after")

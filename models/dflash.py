@@ -36,6 +36,7 @@ class DFlashConfig(Eagle3Config):
 
     num_layers: int = 1
     block_size: int = 4  # slots per training block: the anchor token and block_size - 1 masked guesses
+    anchors: int = 512  # training blocks per record at most
 
     @property
     def method(self) -> str:

@@ -1,7 +1,8 @@
 """Saving and loading the draft in the community EAGLE3 format that SGLang, vLLM and SpecForge load.
 
 `config.json` (architectures LlamaForCausalLMEagle3, one hidden layer, draft_vocab_size, eagle_config) +
-`model.safetensors` (fc, midlayer.*, norm, lm_head, d2t, t2d; never embed_tokens) + `contract.json`. EAGLE 3.1 adds
+`model.safetensors` (fc, midlayer.*, norm, lm_head, d2t, t2d; never embed_tokens) + `contract.json`. A DFlash draft
+is written in vLLM's DFlashDraftModel layout instead (models/dflash_checkpoint.py). EAGLE 3.1 adds
 `fc_norm.{0,1,2}.weight` and the config flags `fc_norm` and `norm_output`, which vLLM's llama_eagle3.py reads.
 P-EAGLE adds `mask_hidden` [1, 3H] and the config's `mask_token_id` (vLLM's parallel drafting reads both; it refuses
 to start without `mask_hidden`), and marks itself in eagle_config (`eaglet_parallel_drafting`), from which it loads
@@ -23,7 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contract.checkpoint import ENGINES, CheckpointContract, check_against_target
-from models.eagle3 import Eagle3Config, Eagle3Draft
+from models.dflash import DFlashConfig
+from models.dflash_checkpoint import ARCHITECTURE as DFLASH_ARCHITECTURE
+from models.dflash_checkpoint import dflash_config_from_hf, dflash_hf_config, dflash_tensor_names
+from models.draft_methods import DraftModel, new_draft
+from models.eagle3 import Eagle3Config
 from models.target_capture import default_aux_layer_ids, vllm_layer_id
 
 WEIGHTS = "model.safetensors"
@@ -96,7 +101,14 @@ def hf_config(config: Eagle3Config, num_target_layers: int, engine: Optional[str
     return result
 
 
-def save_pretrained(draft: Eagle3Draft, directory: Path, contract: CheckpointContract, num_target_layers: int,
+def config_json(config: Eagle3Config, num_target_layers: int, engine: Optional[str]) -> dict[str, Any]:
+    """config.json of a draft of any method (DFlash's: models/dflash_checkpoint.py)."""
+    if isinstance(config, DFlashConfig):
+        return dflash_hf_config(config)
+    return hf_config(config, num_target_layers, engine)
+
+
+def save_pretrained(draft: DraftModel, directory: Path, contract: CheckpointContract, num_target_layers: int,
                     engine: Optional[str] = None, dtype: torch.dtype = torch.float32) -> Path:
     """Write config.json, model.safetensors (no embed_tokens) and contract.json into `directory`."""
     if engine is not None and engine not in ENGINES:
@@ -107,7 +119,7 @@ def save_pretrained(draft: Eagle3Draft, directory: Path, contract: CheckpointCon
         value = tensor.detach().cpu().contiguous()
         tensors[name] = value.to(dtype) if value.is_floating_point() else value
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
-    config = hf_config(draft.config, num_target_layers, engine)
+    config = config_json(draft.config, num_target_layers, engine)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     exported = contract.model_copy(update={"engine": engine, "draft_config": draft.config.to_dict()})
@@ -134,20 +146,34 @@ def config_from_hf(config: dict[str, Any]) -> Eagle3Config:
 
 
 
-def load_pretrained(directory: Path, target_info: Optional[dict[str, Any]] = None) -> tuple[Eagle3Draft, CheckpointContract]:
+def any_config_from_hf(config: dict[str, Any]) -> Eagle3Config:
+    """The draft config of a config.json of any method."""
+    if config.get("architectures") == [DFLASH_ARCHITECTURE]:
+        return dflash_config_from_hf(config)
+    return config_from_hf(config)
+
+
+def tensor_names(config: Eagle3Config) -> tuple[str, ...]:
+    """The tensors a draft of any method saves."""
+    if isinstance(config, DFlashConfig):
+        return dflash_tensor_names(config)
+    return expected_tensor_names(config)
+
+
+def load_pretrained(directory: Path, target_info: Optional[dict[str, Any]] = None) -> tuple[DraftModel, CheckpointContract]:
     """Load a saved draft (fp32); with `target_info` (target.json) refuse a checkpoint of another target."""
     config = json.loads((directory / "config.json").read_text())
     contract = CheckpointContract.model_validate_json((directory / "contract.json").read_text())
     if target_info is not None:
         check_against_target(contract, target_info)
     tensors = load_file(str(directory / WEIGHTS))
-    draft_config = config_from_hf(config)
-    expected = expected_tensor_names(draft_config)
+    draft_config = any_config_from_hf(config)
+    expected = tensor_names(draft_config)
     missing = [name for name in expected if name not in tensors]
     unknown = [name for name in tensors if name not in expected]
     if missing or unknown:
         raise ValueError(f"{directory / WEIGHTS}: missing tensors {missing}, unexpected tensors {unknown} "
                          f"(config.json says method {draft_config.method})")
-    draft = Eagle3Draft(draft_config)
+    draft = new_draft(draft_config)
     draft.load_state_dict({name: value.float() if value.is_floating_point() else value for name, value in tensors.items()})
     return draft, contract

@@ -337,7 +337,7 @@ class SpeculativeDecoder:
 
     def decode(self, prompt_ids: Sequence[int], sink: TokenSink, stats: SpeculativeStats, temperature: float,
                generator: Optional[torch.Generator]) -> None:
-        target, draft_cache = TargetState(self.target, self.aux_layer_ids), DraftCache()
+        target, draft_cache = TargetState(self.target, self.aux_layer_ids), self.new_cache()
         started = time.perf_counter()
         logits, aux = prefill(target, prompt_ids)
         root = choose_token(logits[-1], temperature, generator)
@@ -362,6 +362,10 @@ class SpeculativeDecoder:
             new_tokens = [tree.tokens[node] for node in path[1:]] + [bonus]
             sink.extend(new_tokens)
             pending_aux, pending_ids, root = aux[path], new_tokens, bonus
+
+    def new_cache(self) -> Any:
+        """The draft's empty cache of context positions (the EAGLE3 layer's keys and values)."""
+        return DraftCache()
 
     def draft_tree(self, cache: DraftCache, aux: Tensor, ids: list[int], root: int) -> DraftTree:
         """Extend the draft's context with the newly verified positions, then draft the verify tree."""

@@ -177,7 +177,8 @@ def load_drafter(cfg: RunConfig, target: Any) -> Any:
 
 
 def run(cfg: RunConfig) -> EvaluationResult:
-    from models.speculative import SpeculativeDecoder, target_generate
+    from models.draft_methods import speculative_decoder
+    from models.speculative import target_generate
 
     out = cfg.output_path
     settings = cfg.evaluation
@@ -194,8 +195,8 @@ def run(cfg: RunConfig) -> EvaluationResult:
     suite_only = [prompt for prompt in suite_prompts if prompt.key not in reference_keys]
     eos = target.generation_config.eos_token_id if target.generation_config is not None else tokenizer.eos_token_id
     modes = decode_modes(cfg)
-    decoders = {mode.name: SpeculativeDecoder(target, draft, steps=mode.steps, topk=mode.topk,
-                                              num_draft_tokens=mode.num_draft_tokens) for mode in modes}
+    decoders = {mode.name: speculative_decoder(target, draft, steps=mode.steps, topk=mode.topk,
+                                               num_draft_tokens=mode.num_draft_tokens) for mode in modes}
     totals = {mode.name: ModeTotals(mode) for mode in modes}
     suites = ModeTotals(modes[0]) if offline_sets else None  # the chain, over every set's prompts
     baseline_tokens, baseline_seconds = 0, 0.0

@@ -45,11 +45,11 @@ from torch import nn
 from contract.checkpoint import ENGINES
 from contract.config import RunConfig
 from contract.config_loading import config_as_yaml, load_config
-from models.eagle3 import Eagle3Config, Eagle3Draft
+from models.draft_methods import MASKED_METHODS, DraftModel, draft_objective, method_config, new_draft
+from models.eagle3 import Eagle3Config
 from models.target_heads import TargetHeads, load_target_heads
 from models.teacher import Teacher
-from models.ttt import (TTTBatch, TTTOutput, check_attention_backend, simulated_accept_length, step_loss,
-                        ttt_forward)
+from models.ttt import TTTBatch, TTTOutput, check_attention_backend, simulated_accept_length, step_loss
 from models.ttt_compile import compile_draft_parts
 from models.vocab_mapping import load_vocab_mapping
 from tasks.common.artifacts import atomic_file, read_json, write_json
@@ -97,7 +97,7 @@ class TrainResult:
 class TTTStep(nn.Module):
     """The draft's training-time test as one module call, so DistributedDataParallel can wrap it."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, attention_backend: str = "sdpa",
+    def __init__(self, draft: DraftModel, steps: int, attention_backend: str = "sdpa",
                  hidden_noise_std: float = 0.0, compiled: bool = False) -> None:
         super().__init__()
         self.draft = draft
@@ -109,9 +109,9 @@ class TTTStep(nn.Module):
     def forward(self, batch: TTTBatch, normaliser: int) -> tuple[torch.Tensor, TTTOutput]:
         if self.hidden_noise_std > 0:
             batch = with_hidden_noise(batch, self.hidden_noise_std)
-        output = ttt_forward(self.draft, batch, self.steps, normaliser=normaliser,
-                             attention_backend=self.attention_backend, expected_acceptance=False,
-                             loss_fn=self.loss_fn)
+        output = draft_objective(self.draft, batch, self.steps, normaliser=normaliser,
+                                 attention_backend=self.attention_backend, expected_acceptance=False,
+                                 loss_fn=self.loss_fn)
         return output.loss, output
 
 
@@ -170,19 +170,21 @@ def parent_run_env() -> dict[str, str]:
     return {PARENT_RUN_VARIABLE: active.info.run_id} if active else {}
 
 
-def build_draft(cfg: RunConfig, heads: TargetHeads, manifest: dict[str, Any], device: torch.device) -> Eagle3Draft:
+def build_draft(cfg: RunConfig, heads: TargetHeads, manifest: dict[str, Any], device: torch.device) -> DraftModel:
     """The seeded initial draft on `device` (heads already there): same weights on every rank."""
     from transformers import AutoConfig
 
     vocab = load_vocab_mapping(cfg.output_path / "vocab" / "vocab_mapping.safetensors")
     target_config = AutoConfig.from_pretrained(cfg.output_path / "target", trust_remote_code=cfg.model.trust_remote_code)
     torch.manual_seed(cfg.runtime.seed)
-    config = Eagle3Config.from_target(target_config, vocab.draft_vocab_size, manifest["aux_layer_ids"])
-    config = config.for_method(cfg.draft.method)
-    if config.parallel_drafting:
+    base = Eagle3Config.from_target(target_config, vocab.draft_vocab_size, manifest["aux_layer_ids"])
+    config = method_config(base, cfg.draft.method, num_layers=cfg.draft.num_layers,
+                           block_size=cfg.training.ttt_length + 1, anchors=cfg.draft.anchors)
+    if cfg.draft.method in MASKED_METHODS:
         tokenizer = load_tokenizer(cfg.output_path / "target", cfg.model)
-        config.mask_token_id = resolve_mask_token_id(cfg.draft.mask_token_id, tokenizer, config.vocab_size)
-    draft = Eagle3Draft(config)
+        config.mask_token_id = resolve_mask_token_id(cfg.draft.mask_token_id, tokenizer, config.vocab_size,
+                                                     cfg.draft.method)
+    draft = new_draft(config)
     draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
     draft.to(device)
     draft.attach_embedding(heads.embedding)
@@ -211,8 +213,8 @@ class Loop:
 
     cfg: RunConfig
     env: Distributed
-    draft: Eagle3Draft               # the trained draft; under FSDP its parameters are shards
-    full_draft: Eagle3Draft          # a whole copy for rank 0's eval and export under FSDP, else `draft`
+    draft: DraftModel               # the trained draft; under FSDP its parameters are shards
+    full_draft: DraftModel          # a whole copy for rank 0's eval and export under FSDP, else `draft`
     module: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -498,7 +500,7 @@ def save(loop: Loop) -> None:
     env.barrier()
 
 
-def gathered_draft(loop: Loop) -> Eagle3Draft:
+def gathered_draft(loop: Loop) -> DraftModel:
     """The whole draft as it is now, for rank 0 (under FSDP every rank must call this: it gathers)."""
     if loop.full_draft is not loop.draft:
         weights = full_draft_weights(loop.module)
@@ -518,7 +520,7 @@ def evaluate(loop: Loop) -> dict[str, float]:
                              loop.cfg.training.attention_backend, loop.eval_cache)
 
 
-def evaluate_features(draft: Eagle3Draft, features: Any, teacher: Teacher, steps: int,
+def evaluate_features(draft: DraftModel, features: Any, teacher: Teacher, steps: int,
                       attention_backend: str = "sdpa", cache: Optional[SettledCache] = None) -> dict[str, float]:
     """acc_k, expected acceptance and ploss per depth over every record, weighted by supervised positions,
     and the simulated accept length of a chain of `steps` (in the teacher's compute dtype). `cache`: the
@@ -527,8 +529,8 @@ def evaluate_features(draft: Eagle3Draft, features: Any, teacher: Teacher, steps
     ploss = [0.0] * steps
     with torch.no_grad(), autocast(teacher.device, teacher.dtype), evaluation_mode(draft):
         for position, record in enumerate(features):
-            output = ttt_forward(draft, collate([record], teacher, keys=[position], cache=cache), steps,
-                                 attention_backend=attention_backend)
+            output = draft_objective(draft, collate([record], teacher, keys=[position], cache=cache), steps,
+                                     attention_backend=attention_backend, evaluation=True)
             for step in range(steps):
                 counts[step] += output.supervised[step]
                 correct[step] += output.acc[step] * output.supervised[step]
@@ -544,7 +546,7 @@ def evaluate_features(draft: Eagle3Draft, features: Any, teacher: Teacher, steps
 
 
 @contextmanager
-def evaluation_mode(draft: Eagle3Draft) -> Iterator[None]:
+def evaluation_mode(draft: DraftModel) -> Iterator[None]:
     """The draft without training-only randomness (dropout), restored to its mode afterwards."""
     was_training = draft.training
     draft.eval()

@@ -883,6 +883,45 @@ def test_vllm_serves_a_peagle_drafter_in_one_pass_as_trained_and_planted_defects
     assert engine_drafts(check) != engine_drafts(failed_state), "vLLM ignored mask_hidden"
 
 
+@pytest.fixture(scope="module")
+def dflash_run(drafted_run: RunConfig, tmp_path_factory: pytest.TempPathFactory) -> RunConfig:
+    """The same, trained as DFlash: one Qwen3-style layer drafting [token, 3 masks] in one pass."""
+    return retrained_run(drafted_run, tmp_path_factory.mktemp("dflash") / "run", "dflash")
+
+
+def test_vllm_serves_a_dflash_drafter_in_one_block_as_trained_and_planted_defects_fail(dflash_run: RunConfig,
+                                                                                        tmp_path: Path) -> None:
+    """DFlash on vLLM's CPU build (method dflash, its DFlashDraftModel export): the engine agrees with the offline
+    block decoder per position; a shuffled vocab mapping fails, and so does another mask token in the export."""
+    import shutil
+
+    cfg = dflash_run
+    export = cfg.output_path / "draft" / "vllm"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and "eagle_config" not in config
+    assert config["dflash_config"]["target_layer_ids"] == [1, 2, 3]
+    assert json.loads((export / "contract.json").read_text())["method"] == "dflash"
+    check = replay_on_engine(cfg, export, "dflash")
+    print(f"\nDFlash export:\n{agreement_table(check)}")
+    assert check["status"] == "ok", agreement_table(check)
+    assert check["engine_mean_accept_length"] > 1.5, "trained on this very text, its drafts are accepted"
+    assert check["positions"][1]["engine"]["accepted"] > 0, "the second slot is accepted too"
+
+    shuffled = shuffled_vocab_export(export, tmp_path / "dflash-shuffled-vocab")
+    failed = replay_on_engine(cfg, shuffled, "dflash-shuffled-vocab")
+    print(f"\nDFlash export, vocab mapping shuffled:\n{agreement_table(failed)}")
+    assert failed["status"] == "failed", agreement_table(failed)
+
+    wrong_mask = tmp_path / "dflash-wrong-mask-token"
+    shutil.copytree(export, wrong_mask)
+    config["dflash_config"]["mask_token_id"] = (config["dflash_config"]["mask_token_id"] + 1) % config["vocab_size"]
+    (wrong_mask / "config.json").write_text(json.dumps(config))
+    masked_otherwise = replay_on_engine(cfg, wrong_mask, "dflash-wrong-mask")
+    print(f"\nDFlash export with another mask token:\n{agreement_table(masked_otherwise)}")
+    assert engine_drafts(check) != engine_drafts(masked_otherwise), "vLLM ignored dflash_config.mask_token_id"
+    assert masked_otherwise["status"] == "failed", agreement_table(masked_otherwise)
+
+
 def test_vllm_sweep_measures_each_chain_length_and_recommends_the_fastest(drafted_run: RunConfig) -> None:
     from tasks import evaluate
 

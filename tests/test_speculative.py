@@ -13,6 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from contract.config import RunConfig, draft_tree_capacity
+from models.dflash import DFlashDraft
+from models.draft_methods import MASKED_METHODS, draft_objective, method_config, speculative_decoder
+from models.draft_methods import new_draft as new_method_draft
 from models.draft_tree import DraftCache, DraftTree, ancestor_mask, build_tree, draft_extend, select_nodes
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.speculative import SpeculativeDecoder, TargetState, prefill, target_generate
@@ -63,10 +66,11 @@ def prompts(tiny_target_dir: Path) -> dict[str, list[list[int]]]:
 
 def new_draft(model, d2t: torch.Tensor, t2d: torch.Tensor, method: str = "eagle3") -> Eagle3Draft:
     torch.manual_seed(0)
-    config = Eagle3Config.from_target(model.config, int(d2t.numel()), AUX_LAYERS).for_method(method)
-    if config.parallel_drafting:
+    base = Eagle3Config.from_target(model.config, int(d2t.numel()), AUX_LAYERS)
+    config = method_config(base, method, num_layers=1, block_size=4)
+    if method in MASKED_METHODS:
         config.mask_token_id = model.config.vocab_size - 1
-    draft = Eagle3Draft(config)
+    draft = new_method_draft(config)
     draft.set_vocab_mapping(d2t, t2d)
     draft.attach_embedding(model.get_input_embeddings().weight)
     draft.initialise_from_target(model.lm_head.weight, model.model.norm.weight)
@@ -116,9 +120,15 @@ def overfit_draft(target, prompts, method: str) -> Eagle3Draft:
     optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
     for _ in range(200):
         optimizer.zero_grad()
-        ttt_forward(draft, batch, steps=3).loss.backward()
+        draft_objective(draft, batch, steps=3).loss.backward()
         optimizer.step()
     return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def trained_dflash_draft(target, prompts) -> DFlashDraft:
+    """The same, as DFlash (one layer, blocks of the root and 3 mask tokens)."""
+    return overfit_draft(target, prompts, "dflash")
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +209,52 @@ def test_a_peagle_draft_decodes_the_targets_greedy_output_and_its_later_slots_ar
         means.append(stats.mean_accept_length)
         assert stats.acceptance_by_depth()[1] > 0.0, "the masked second slot is accepted too"
     assert sum(means) / len(means) > 2.0, means
+
+
+def test_a_dflash_draft_decodes_the_targets_greedy_output_and_its_later_slots_are_accepted(
+        target, trained_dflash_draft, prompts) -> None:
+    decoder = speculative_decoder(target, trained_dflash_draft, aux_layer_ids=AUX_LAYERS, steps=3)
+    means = []
+    for prompt in prompts["trained"]:
+        expected = target_generate(target, prompt, 24)
+        tokens, stats = decoder.generate(prompt, 24)
+        assert tokens == expected
+        check_round_accounting(stats.accept_lengths, 24)
+        means.append(stats.mean_accept_length)
+        assert stats.acceptance_by_depth()[1] > 0.0, "the second slot is accepted too"
+    assert sum(means) / len(means) > 2.0, means
+    for prompt in prompts["unseen"][:2]:  # untrained text: still the target's output
+        assert decoder.generate(prompt, 16)[0] == target_generate(target, prompt, 16)
+
+
+def test_a_dflash_round_drafts_what_the_training_block_at_its_root_predicts(target, trained_dflash_draft,
+                                                                           prompts) -> None:
+    """The decoder's first round (context: the prompt's states; block: the target's first token and 3 masks)
+    equals the training objective's block anchored at that token, slot by slot."""
+    from models.dflash_objective import block_inputs, block_visibility
+
+    draft = trained_dflash_draft
+    prompt = prompts["trained"][0]
+    root = target_generate(target, prompt, 1)[0]
+    sequence = torch.tensor([prompt + [root]])
+    with torch.no_grad():
+        states = target(sequence, output_hidden_states=True).hidden_states
+        aux = torch.cat([states[layer + 1] for layer in AUX_LAYERS], dim=-1)
+        anchors = torch.tensor([[len(prompt)]])
+        ids, positions = block_inputs(draft, sequence, anchors)
+        context = draft.context(aux, torch.arange(sequence.shape[1])[None])
+        hidden = draft.block_forward(ids, positions, context, block_visibility(anchors, 4, sequence.shape[1]))
+        trained = draft.draft_to_target(draft.logits(hidden)[0, 1:].argmax(dim=-1)).tolist()
+        decoder = speculative_decoder(target, draft, aux_layer_ids=AUX_LAYERS, steps=3)
+        cache = decoder.new_cache()
+        tree = decoder.draft_tree(cache, aux[0, :len(prompt)], prompt[1:] + [root], root)
+    assert tree.tokens == [root, *trained] and tree.parents == [-1, 0, 1, 2]
+
+
+def test_a_dflash_draft_refuses_a_tree(target, trained_dflash_draft) -> None:
+    with pytest.raises(ValueError, match="DFlash draft drafts a chain"):
+        speculative_decoder(target, trained_dflash_draft, aux_layer_ids=AUX_LAYERS, steps=3, topk=2,
+                            num_draft_tokens=5)
 
 
 @pytest.mark.parametrize("steps, topk, num_draft_tokens", [(3, 1, 4), (4, 3, 10)])

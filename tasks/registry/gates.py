@@ -408,6 +408,10 @@ def target_checks(contract: CheckpointContract, target_info: dict[str, Any]) -> 
 
 def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[str, list[int]]]:
     """Name -> (dtype kind, shape) of every tensor the engines load (docs/architecture.md §3), from config.json."""
+    from models.dflash_checkpoint import dflash_tensor_shapes, is_dflash_export
+
+    if is_dflash_export(config):
+        return dflash_tensor_shapes(config)
     hidden, inner = config["hidden_size"], config["intermediate_size"]
     target_hidden = config.get("target_hidden_size") or hidden
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
@@ -469,21 +473,28 @@ def tensor_checks(config: dict[str, Any], tensors: dict[str, tuple[str, list[int
 
 def config_checks(config: dict[str, Any], contract: CheckpointContract) -> list[Check]:
     """config.json agrees with its contract: architecture, vocab sizes, fusion dims."""
+    from models.dflash_checkpoint import ARCHITECTURE as DFLASH_ARCHITECTURE
+
     target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    dflash = contract.method == "dflash"
+    aux_count = len(contract.aux_layer_ids) if dflash else 3
     pairs = [
-        ("config.architectures", config.get("architectures"), ["LlamaForCausalLMEagle3"]),
+        ("config.architectures", config.get("architectures"),
+         [DFLASH_ARCHITECTURE] if dflash else ["LlamaForCausalLMEagle3"]),
         ("config.vocab_size", config.get("vocab_size"), contract.vocab_size),
         ("config.draft_vocab_size", config.get("draft_vocab_size"), contract.draft_vocab_size),
         ("config.target_hidden_size", target_hidden, contract.hidden_size),
-        ("contract.fusion_dims", contract.fusion_dims, [3 * (target_hidden or 0), config.get("hidden_size")]),
+        ("contract.fusion_dims", contract.fusion_dims, [aux_count * (target_hidden or 0), config.get("hidden_size")]),
     ]
     checks = [Check(name, found == wanted, f"{found!r}" + ("" if found == wanted else f", expected {wanted!r}"))
               for name, found, wanted in pairs]
-    if (config.get("eagle_config") or {}).get("eaglet_parallel_drafting"):
-        mask = config.get("mask_token_id")
+    masked = (config.get("eagle_config") or {}).get("eaglet_parallel_drafting") or dflash
+    if masked:
+        name = "config.dflash_config.mask_token_id" if dflash else "config.mask_token_id"
+        mask = (config.get("dflash_config") or {}).get("mask_token_id") if dflash else config.get("mask_token_id")
         fits = isinstance(mask, int) and 0 <= mask < (contract.vocab_size or 0)
-        checks.append(Check("config.mask_token_id", fits, f"{mask!r}" + ("" if fits else
-                            f": P-EAGLE needs a token id below the target's vocab_size {contract.vocab_size}")))
+        checks.append(Check(name, fits, f"{mask!r}" + ("" if fits else
+                            f": {contract.method} needs a token id below the target's vocab_size {contract.vocab_size}")))
     return checks
 
 
@@ -492,6 +503,8 @@ def layer_id_checks(config: dict[str, Any], contract: CheckpointContract, num_ta
     (docs/architecture.md §3)."""
     from models.draft_checkpoint import engine_layer_ids
 
+    if contract.method == "dflash":
+        return dflash_layer_id_checks(config, contract)
     eagle = config.get("eagle_config") or {}
     trained = eagle.get("eaglet_aux_layer_ids")
     written = eagle.get("eagle_aux_hidden_state_layer_ids")
@@ -503,6 +516,18 @@ def layer_id_checks(config: dict[str, Any], contract: CheckpointContract, num_ta
         Check("eagle_config.eagle_aux_hidden_state_layer_ids", written == wanted,
               f"{written if written is not None else 'absent'} for {engine}; expected "
               f"{wanted if wanted is not None else 'absent (engine default)'}"),
+    ]
+
+
+def dflash_layer_id_checks(config: dict[str, Any], contract: CheckpointContract) -> list[Check]:
+    """vLLM's dflash reads dflash_config.target_layer_ids (outputs of those layers: eaglet's ids as they are), and an
+    eagle_config's layer ids would override them."""
+    written = (config.get("dflash_config") or {}).get("target_layer_ids")
+    return [
+        Check("dflash_config.target_layer_ids", written == contract.aux_layer_ids,
+              f"{written} (contract aux_layer_ids {contract.aux_layer_ids})"),
+        Check("eagle_config", "eagle_config" not in config,
+              "absent" if "eagle_config" not in config else "present: vLLM would read its layer ids instead"),
     ]
 
 

@@ -20,7 +20,7 @@ from models.eagle3 import METHOD_FLAGS
 #: The draft methods each engine serves as trained (models/eagle3.py METHOD_FLAGS). SGLang 0.5's llama_eagle3.py reads
 #: neither fc_norm nor norm_output: it would load an EAGLE 3.1 export without its fc_norm tensors and carry the
 #: pre-norm output, serving another drafter than the one trained; it has no parallel drafting (P-EAGLE) either.
-SERVED_METHODS = {"vllm": ("eagle3", "eagle3.1", "peagle"), "sglang": ("eagle3",)}
+SERVED_METHODS = {"vllm": ("eagle3", "eagle3.1", "peagle", "dflash"), "sglang": ("eagle3",)}
 #: The methods vLLM drafts with `parallel_drafting` (all k tokens of a round in one forward pass): the draft's own flag.
 PARALLEL_METHODS = tuple(method for method, flags in METHOD_FLAGS.items() if flags["parallel_drafting"])
 
@@ -35,9 +35,10 @@ def export_method(export: Path) -> str:
 
 
 def vllm_speculative_config(method: str, steps: int, model: Optional[str] = None) -> dict[str, Any]:
-    """vLLM's --speculative-config for a `method` drafter drafting `steps` tokens: each of eaglet's methods is vLLM's
-    eagle3 (EAGLE 3.1's flags are in the export's config.json); P-EAGLE adds `parallel_drafting`."""
-    config: dict[str, Any] = {"method": "eagle3"}
+    """vLLM's --speculative-config for a `method` drafter drafting `steps` tokens: the EAGLE3 methods are vLLM's
+    eagle3 (EAGLE 3.1's flags are in the export's config.json), P-EAGLE adds `parallel_drafting`; DFlash is vLLM's
+    dflash."""
+    config: dict[str, Any] = {"method": "dflash" if method == "dflash" else "eagle3"}
     if model is not None:
         config["model"] = model
     config["num_speculative_tokens"] = steps

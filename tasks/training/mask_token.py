@@ -1,4 +1,4 @@
-"""The token id P-EAGLE's masked slots read (`draft.mask_token_id`), resolved once when the draft is built.
+"""The token id P-EAGLE's and DFlash's masked slots read (`draft.mask_token_id`), resolved once when the draft is built.
 
 The draft embeds it with the target's frozen embedding, so it must be a row the target has. Resolved in the order
 speculators uses: the configured id; the tokenizer's own mask token; the first embedding row beyond the tokenizer's
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 
-def resolve_mask_token_id(configured: Optional[int], tokenizer: Any, vocab_size: int) -> int:
+def resolve_mask_token_id(configured: Optional[int], tokenizer: Any, vocab_size: int, method: str = "peagle") -> int:
     """The mask token id for a target whose embedding has `vocab_size` rows; a clear error when none fits."""
     if configured is not None:
         if configured >= vocab_size:
@@ -26,5 +26,5 @@ def resolve_mask_token_id(configured: Optional[int], tokenizer: Any, vocab_size:
         value = getattr(tokenizer, name, None)
         if value is not None:
             return int(value)
-    raise ValueError("draft.method peagle needs a mask token: the tokenizer has no mask, pad, eos or unk token and "
+    raise ValueError(f"draft.method {method} needs a mask token: the tokenizer has no mask, pad, eos or unk token and "
                      "the embedding no row beyond its tokens; set draft.mask_token_id")
