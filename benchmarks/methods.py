@@ -1,6 +1,6 @@
-"""Which draft method serves best for this target, data and budget: EAGLE3, EAGLE 3.1 and P-EAGLE side by side.
+"""Which draft method serves best for this target, data and budget: EAGLE3, EAGLE 3.1, P-EAGLE and DFlash side by side.
 
-    .venv/bin/python benchmarks/methods.py --config params.yaml [--methods eagle3 eagle3.1 peagle] \
+    .venv/bin/python benchmarks/methods.py --config params.yaml [--methods eagle3 eagle3.1 peagle dflash] \
         [--speculative-tokens 2 3] [overrides for every method]
 
 Reads a finished run (`eaglet run` up to capture at least). Each method is a sub-run under
@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from contract.config_loading import load_config
+from models.draft_methods import METHODS
 from subruns import POINT_FILE, link_run_features, link_run_inputs, measure_point, subrun_config
 from tasks import benchmark
 from tasks.common.artifacts import read_json, save_figure, write_json
 
-METHODS = ("eagle3", "eagle3.1", "peagle")
 SERVED_FILE = "served.json"
 
 

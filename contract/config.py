@@ -615,6 +615,10 @@ class RegistryConfig(Section):
     agreement_alpha: float = Field(
         default=0.01, gt=0.0, lt=1.0, description="the engine-agreement check fails when a draft position's acceptance "
         "differs from the offline decoder's with p below this (two-proportion test; tasks/serving/agreement.py)")
+    agreement_exact: bool = Field(
+        default=False, description="also require every prompt's engine acceptance per position to equal the offline "
+        "decoder's exactly (greedy only): an engine serving the drafter in fp32 drafts what the reference drafts, so "
+        "any drafted token that differs shows, where the per-position test needs many drafts to see a small change")
     agreement_min_drafts: int = Field(
         default=50, ge=1, description="fewest drafts on each side for the agreement check to decide; fewer is "
         "'inconclusive', a gate that could not be measured")

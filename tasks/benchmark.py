@@ -73,8 +73,8 @@ from tasks.common.suite_summary import interval_metrics, metric_name, plot_suite
 from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve, serve_together
 from tasks.data.held_out import eval_prompts, select_records, set_prompts, turn_prefixes
 from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
-from tasks.serving.agreement import (AGREEMENT_CHECKS, agreement_verdict, engine_counts, offline_counts,
-                                     run_agreement)
+from tasks.serving.agreement import (AGREEMENT_CHECKS, agreement_verdict, engine_counts, exact_differences,
+                                     offline_counts, run_agreement)
 from tasks.serving.totals_agreement import engine_rounds, offline_rounds, replay_generate, totals_verdict
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
 from tasks.serving.serving_setting import (ServingSetting, engines_serving, export_method, serving_sweep,
@@ -735,11 +735,23 @@ def check_agreement(cfg: RunConfig, kind: str, runs: list[VariantRun], steps: in
         offline_rows = {row.prompt: row.model_dump() for row in chain.per_prompt}
         verdict["per_prompt"] = [{"prompt": row["prompt"], "engine": row, "offline": offline_rows.get(row["prompt"])}
                                  for row in rows]
+        if settings.agreement_exact and offline.temperature == 0.0:
+            exact_check(verdict)
     verdict.update(check=method, engine_steps=steps, offline_steps=chain.steps, prompts=len(rows),
                    max_new_tokens=offline.max_new_tokens, temperature=offline.temperature)
     if verdict["status"] == "failed":
         verdict["reason"] = mismatch_hint(cfg.output_path, kind, verdict["reason"])
     return verdict
+
+
+def exact_check(verdict: dict[str, Any]) -> None:
+    """registry.agreement_exact: the verdict fails when any prompt's rounds differ at all from the offline decoder's."""
+    differing = exact_differences(verdict["per_prompt"])
+    verdict["exact"] = {"prompts": len(verdict["per_prompt"]), "differing": len(differing)}
+    if differing and verdict["status"] != "failed":
+        verdict.update(status="failed", reason=(
+            f"{len(differing)} of {len(verdict['per_prompt'])} prompts drafted otherwise than offline "
+            f"(registry.agreement_exact): {'; '.join(differing[:3])}"))
 
 
 def mismatch_hint(out: Path, kind: str, differences: str) -> str:

@@ -283,3 +283,22 @@ def test_the_flagship_sglang_recipe_can_become_champion_on_the_totals_check(tmp_
     assert check["check"] == "totals" and lines[4].startswith("engine_acceptance[sglang]: passed (measured 1, "
                                                               "threshold 0.01): p-value of tokens per verify round")
     assert lines[5].startswith("speedup[sglang]: passed (measured 2.3, threshold 1.5)")
+
+
+def test_the_exact_agreement_fails_a_single_prompt_drafted_otherwise_that_the_rates_cannot_see() -> None:
+    """registry.agreement_exact: one prompt of two accepting one token fewer at position 1 passes the per-position
+    test's rates but fails the exact check, naming the prompt; equal rounds pass."""
+    from tasks.benchmark import exact_check
+
+    def row(prompt: str, rounds: int, accepted: list[float], offline_accepted: list[float]) -> dict[str, Any]:
+        return {"prompt": prompt, "engine": {"drafts": rounds, "accepted_per_position": accepted},
+                "offline": {"rounds": rounds, "accepted_per_position": offline_accepted}}
+
+    alike = {"status": "ok", "per_prompt": [row("a", 9, [5, 2], [5, 2]), row("b", 8, [4, 1], [4, 1])]}
+    exact_check(alike)
+    assert alike["status"] == "ok" and alike["exact"] == {"prompts": 2, "differing": 0}
+    otherwise = {"status": "ok", "per_prompt": [row("a", 9, [5, 2], [5, 2]), row("b", 8, [3, 1], [4, 1])]}
+    exact_check(otherwise)
+    assert otherwise["status"] == "failed" and otherwise["exact"]["differing"] == 1
+    assert otherwise["reason"].startswith("1 of 2 prompts drafted otherwise than offline (registry.agreement_exact): "
+                                          "b: engine 8 rounds accepting [3.0, 1.0], offline 8 accepting [4.0, 1.0]")

@@ -110,6 +110,23 @@ def agreement_verdict(engine: PositionCounts, offline: PositionCounts, steps: in
     return verdict
 
 
+def exact_differences(per_prompt: list[dict[str, Any]]) -> list[str]:
+    """The prompts whose engine rounds or acceptance per position differ from the offline decoder's at all
+    (`registry.agreement_exact`), each as 'prompt: engine ... offline ...'."""
+    differing = []
+    for row in per_prompt:
+        engine, offline = row["engine"], row["offline"]
+        if offline is None:
+            differing.append(f"{row['prompt']}: not in the offline evaluation")
+            continue
+        engine_side = (float(engine["drafts"]), [float(count) for count in engine["accepted_per_position"]])
+        offline_side = (float(offline["rounds"]), [float(count) for count in offline["accepted_per_position"]])
+        if engine_side != offline_side:
+            differing.append(f"{row['prompt']}: engine {engine_side[0]:g} rounds accepting {engine_side[1]}, "
+                             f"offline {offline_side[0]:g} accepting {offline_side[1]}")
+    return differing
+
+
 def describe(row: dict[str, Any]) -> str:
     engine, offline = row["engine"], row["offline"]
     p_value = "n/a" if row["p_value"] is None else f"{row['p_value']:.2g}"
