@@ -19,7 +19,8 @@ from models.eagle3 import METHOD_FLAGS
 
 #: The draft methods each engine serves as trained (models/eagle3.py METHOD_FLAGS). SGLang 0.5's llama_eagle3.py reads
 #: neither fc_norm nor norm_output: it would load an EAGLE 3.1 export without its fc_norm tensors and carry the
-#: pre-norm output, serving another drafter than the one trained; it has no parallel drafting (P-EAGLE) either.
+#: pre-norm output, serving another drafter than the one trained; it has no parallel drafting (P-EAGLE) either; its
+#: DFlash model loads the layers but drafts with the target's full-vocabulary head, dropping the trained one.
 SERVED_METHODS = {"vllm": ("eagle3", "eagle3.1", "peagle", "dflash"), "sglang": ("eagle3",)}
 #: The methods vLLM drafts with `parallel_drafting` (all k tokens of a round in one forward pass): the draft's own flag.
 PARALLEL_METHODS = tuple(method for method, flags in METHOD_FLAGS.items() if flags["parallel_drafting"])
