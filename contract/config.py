@@ -782,7 +782,7 @@ class RunConfig(Section):
         DFlash's block has training.ttt_length mask slots, so no chain longer than that."""
         method = self.draft.method
         if self.draft.num_layers != 1 and method != "dflash":
-            raise ValueError(f"draft.num_layers {self.draft.num_layers}: a {method} draft has exactly one layer "
+            raise ValueError(f"draft.num_layers {self.draft.num_layers}: the {method} draft has exactly one layer "
                              "(draft.method dflash has several)")
         if method not in ("peagle", "dflash"):
             return self

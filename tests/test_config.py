@@ -212,3 +212,23 @@ def test_work_pools_name_stages_that_exist(tmp_path: Path) -> None:
     assert placed.deployment.work_pools == {"train": "gpu", "capture": "gpu"}
     message = rejection(tmp_path, "deployment:\n  work_pools: {trian: gpu}\n")
     assert "deployment.work_pools" in message and "trian" in message and "'train'" in message, message
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"draft": {"method": "dflash"}, "evaluation": {"topk": 2}}, "draft.method dflash drafts a chain"),
+    ({"draft": {"method": "dflash"}, "benchmark": {"engines": ["sglang"]}}, "served by vLLM only"),
+    ({"draft": {"method": "dflash"}, "training": {"compile": True}}, "dflash trains eagerly"),
+    ({"draft": {"method": "dflash"}, "training": {"ttt_length": 2}, "evaluation": {"steps": 3}},
+     "blocks of training.ttt_length 2 mask slots: it cannot draft 3 tokens"),
+    ({"draft": {"method": "dflash"}, "training": {"ttt_length": 3}, "benchmark": {"num_speculative_tokens": [2, 4]}},
+     "cannot draft 4 tokens"),
+    ({"draft": {"method": "eagle3", "num_layers": 2}}, "the eagle3 draft has exactly one layer"),
+])
+def test_a_dflash_setting_it_cannot_train_or_serve_is_refused(settings: dict, message: str) -> None:
+    """DFlash drafts a chain on vLLM, trains eagerly, and cannot draft more tokens than its block has mask slots;
+    only DFlash has several layers."""
+    base = {"evaluation": {"topk": 1, "steps": 3}, "training": {"ttt_length": 3}}
+    merged = {section: {**base.get(section, {}), **settings.get(section, {})} for section in {*base, *settings}}
+    with pytest.raises(ValueError, match=message):
+        RunConfig.model_validate(merged)
+    RunConfig.model_validate({**base, "draft": {"method": "dflash", "num_layers": 2}})  # the same, allowed

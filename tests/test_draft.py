@@ -222,6 +222,71 @@ def test_a_peagle_draft_exports_its_mask_state_and_token_and_round_trips(tmp_pat
     assert [check.field for check in bad] == ["config.mask_token_id"]
 
 
+def test_a_dflash_draft_exports_vllms_layout_round_trips_and_the_doctor_counts_every_tensor(tmp_path: Path,
+                                                                                          tiny) -> None:
+    """DFlash (draft.method dflash): config.json as vLLM's DFlashDraftModel reads it (dflash_config with the mask token
+    and the trained layer ids as they are, no eagle_config), Qwen3 tensor names without embed_tokens, the same logits
+    after a round trip, vLLM's dflash speculative config; the doctor names a missing tensor (vLLM would load without
+    it) and a mask token outside the target's vocabulary."""
+    from safetensors.torch import load_file, save_file
+
+    from models.dflash_objective import block_inputs, block_visibility
+    from models.draft_methods import method_config, new_draft as new_method_draft
+    from models.dflash_checkpoint import dflash_tensor_names
+    from tasks.registry.doctor import inspect_checkpoint
+    from tasks.serving.engine import EngineLaunch, engine_command
+    from tasks.serving.serving_setting import export_method
+
+    model, _ = tiny
+    torch.manual_seed(0)
+    base = Eagle3Config.from_target(model.config, draft_vocab_size=model.config.vocab_size, aux_layer_ids=AUX_LAYERS)
+    config = method_config(base, "dflash", num_layers=2, block_size=4, anchors=64)
+    config.mask_token_id = 3
+    draft = new_method_draft(config)
+    draft.attach_embedding(model.get_input_embeddings().weight)
+    info = target_info_for(model)
+    contract = contract_for(model, info).model_copy(update={"method": "dflash", "draft_config": config.to_dict()})
+    directory = save_pretrained(draft, tmp_path / "draft", contract, num_target_layers=6, engine="vllm")
+    exported = json.loads((directory / "config.json").read_text())
+    assert exported["architectures"] == ["DFlashDraftModel"] and "eagle_config" not in exported
+    assert exported["dflash_config"]["mask_token_id"] == 3 and exported["dflash_config"]["target_layer_ids"] == AUX_LAYERS
+    assert exported["num_hidden_layers"] == 2 and exported["block_size"] == 4 and export_method(directory) == "dflash"
+    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
+        assert set(handle.keys()) == set(dflash_tensor_names(config)) and "layers.1.self_attn.k_norm.weight" in handle.keys()
+
+    loaded, _ = load_pretrained(directory, target_info=info)
+    loaded.attach_embedding(model.get_input_embeddings().weight)
+    assert loaded.config.method == "dflash" and loaded.config.num_layers == 2 and loaded.config.anchors == 64
+    aux = torch.randn(1, 10, 3 * model.config.hidden_size)
+    ids, anchors = torch.randint(0, 50, (1, 10)), torch.tensor([[4]])
+    outputs = []
+    for each in (draft, loaded):
+        slots, positions = block_inputs(each, ids, anchors)
+        context = each.context(aux, torch.arange(10)[None])
+        outputs.append(each.logits(each.block_forward(slots, positions, context, block_visibility(anchors, 4, 10))))
+    torch.testing.assert_close(outputs[0], outputs[1])
+
+    target = {**info, "num_hidden_layers": 6, "id": "tiny"}
+    checks = inspect_checkpoint(directory, target)
+    assert all(check.ok for check in checks), [check for check in checks if not check.ok]
+    assert {"tensor layers.1.self_attn.k_norm.weight", "dflash_config.target_layer_ids", "eagle_config",
+            "config.dflash_config.mask_token_id"} <= {check.field for check in checks}
+    launch = EngineLaunch(kind="vllm", model=tmp_path, python="python", port=1, log_path=tmp_path / "log",
+                          draft=directory, num_speculative_tokens=3)
+    command = engine_command(launch)
+    spec = json.loads(command[command.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": str(directory), "num_speculative_tokens": 3}
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors["layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    exported["dflash_config"]["mask_token_id"] = model.config.vocab_size
+    (directory / "config.json").write_text(json.dumps(exported))
+    bad = {check.field: check.detail for check in inspect_checkpoint(directory, target) if not check.ok}
+    assert set(bad) == {"tensor layers.1.self_attn.k_norm.weight", "config.dflash_config.mask_token_id"}, bad
+    assert bad["tensor layers.1.self_attn.k_norm.weight"].startswith("missing")
+
+
 def test_engine_exports_differ_only_in_the_layer_id_convention(tmp_path: Path, tiny) -> None:
     model, _ = tiny
     draft = new_draft(model)
