@@ -869,9 +869,9 @@ def test_vllm_serves_a_peagle_drafter_in_one_pass_as_trained_and_planted_defects
     shutil.copytree(export, wrong_mask)
     config["mask_token_id"] = (config["mask_token_id"] + 1) % config["vocab_size"]
     (wrong_mask / "config.json").write_text(json.dumps(config))
-    masked_otherwise = replay_on_engine(cfg, wrong_mask, "peagle-wrong-mask")
-    print(f"\nP-EAGLE export with another mask token (seen: vLLM drafts alike here):\n"
-          f"{agreement_table(masked_otherwise)}")
+    masked_otherwise = replay_on_engine(cfg, wrong_mask, "peagle-wrong-mask", exact=True)
+    print(f"\nP-EAGLE export with another mask token, exact check (seen: vLLM drafts alike here):\n"
+          f"{agreement_table(masked_otherwise)}\nexact: {masked_otherwise.get('exact')}")
 
     import torch
     from safetensors.torch import load_file, save_file
