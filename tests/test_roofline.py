@@ -52,6 +52,22 @@ def test_compact_capture_moves_the_teacher_from_train_to_capture_and_online_trai
     assert online["train"] == 15904 + 2304
 
 
+def test_offline_training_settles_the_teacher_once_so_its_pass_is_spread_over_the_epochs(tmp_path: Path) -> None:
+    shape = TargetShape.from_config(TINY_LLAMA)
+    four_epochs = stage_flops_per_token(shape, run_with_target(tmp_path, training={"ttt_length": 3, "epochs": 4}))
+    assert four_epochs["train"] == 15904 - 640 + 160, "the 640-FLOP teacher pass once per record, in 4 epochs"
+    online = RunConfig.model_validate({"output_dir": str(tmp_path), "capture": {"draft_vocab_size": 10},
+                                       "training": {"ttt_length": 3, "epochs": 4, "mode": "online"}})
+    assert stage_flops_per_token(shape, online)["train"] == 15904 + 2304, "online: the teacher every time"
+
+
+def test_bf16_is_a_peak_to_read_against_only_where_the_cpu_has_bf16_units() -> None:
+    from tasks.common.roofline import native_peaks
+
+    assert native_peaks(PEAKS, native_bf16_matmul=True) == PEAKS
+    assert native_peaks({"fp32": 128.2, "bf16": 14.6}, native_bf16_matmul=False) == {"fp32": 128.2}
+
+
 def test_the_flop_model_counts_the_weights_the_real_modules_hold() -> None:
     """2 FLOPs per weight of every Linear: the target's layers and lm_head, and the draft (one TTT step, x3 for
     forward and backward) as models/eagle3.py builds it from the target."""

@@ -103,11 +103,13 @@ def draft_training_flops(shape: TargetShape, draft_vocab_size: int, ttt_length: 
 def stage_flops_per_token(shape: TargetShape, cfg: RunConfig) -> dict[str, int]:
     """FLOPs per token of each compute stage. Regenerate samples, so it adds the lm_head (its rate counts the
     generated tokens: the prompts' prefill is left out); capture stores states only, unless compact mode computes
-    the teacher's top-K there. Train recomputes the full-vocabulary teacher from lossless states, and online it
-    also runs the target's forward that capture would have."""
+    the teacher's top-K there. Train computes the full-vocabulary teacher from lossless states (offline once per
+    record, in its first epoch: the trainer keeps what it settled, so per trained token it is 1/epochs of a pass),
+    and online it also runs the target's forward that capture would have, every time."""
     compact = cfg.capture.mode == "compact"
     capture = target_forward_flops(shape, with_lm_head=compact)
-    teacher = 0 if compact else 2 * shape.hidden_size * shape.vocab_size
+    teacher_passes = 1.0 if cfg.training.mode == "online" else 1.0 / cfg.training.epochs
+    teacher = 0 if compact else round(teacher_passes * 2 * shape.hidden_size * shape.vocab_size)
     draft_vocab_size = cfg.capture.draft_vocab_size or shape.vocab_size
     train = teacher + draft_training_flops(shape, draft_vocab_size, cfg.training.ttt_length)
     if cfg.training.mode == "online":
@@ -139,6 +141,12 @@ def measure_matmul_peak(dtype: torch.dtype, m: int = 1024, k: int = 576, n: int 
 def measure_peaks(seconds: float = 0.5) -> dict[str, float]:
     """The matmul peak of every dtype in PEAK_DTYPES, at PEAK_SHAPE."""
     return {name: measure_matmul_peak(dtype, seconds=seconds, **PEAK_SHAPE) for name, dtype in PEAK_DTYPES.items()}
+
+
+def native_peaks(peaks: dict[str, float], native_bf16_matmul: bool) -> dict[str, float]:
+    """The peaks a stage is read against: bf16's only where the CPU computes it natively (elsewhere bf16 is
+    converted in software, far below fp32, and no stage runs in it: a share of it would read as several hundred %)."""
+    return {dtype: peak for dtype, peak in peaks.items() if dtype != "bf16" or native_bf16_matmul}
 
 
 def stage_rates(summaries: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -217,9 +225,9 @@ def write_roofline(cfg: RunConfig, summaries: dict[str, dict[str, float]]) -> Ro
     if not stage_rates(summaries):
         raise RooflineUnavailable(f"no compute stage ({', '.join(RATE_KEYS)}) measured a rate in this run")
     read_target_shape(cfg.output_path)  # a missing target fails here, not after the measurement
-    peaks = measure_peaks()
-    rows = roofline_rows(cfg.output_path, cfg, summaries, peaks)
     host = host_compute()
+    peaks = native_peaks(measure_peaks(), host.native_bf16_matmul)
+    rows = roofline_rows(cfg.output_path, cfg, summaries, peaks)
     json_path = cfg.output_path / JSON_NAME
     write_json(json_path, {"host": host.as_record(), "peak_gflops": peaks, "peak_matmul_shape": PEAK_SHAPE,
                            "rows": rows})
