@@ -845,8 +845,9 @@ def test_vllm_serves_a_peagle_drafter_in_one_pass_as_trained_and_planted_defects
     """P-EAGLE on vLLM's CPU build (parallel_drafting from the export): the engine agrees with the offline decoder's
     one-pass chain per position; a shuffled vocab mapping fails. With mask_hidden zeroed the engine drafts otherwise,
     prompt by prompt (the state is read), though at ~46 drafts per position the test cannot call it significant.
-    Another mask token in config.json is served and printed: on this tiny target vLLM drafted exactly alike with it
-    (an open question, docs/methods.md)."""
+    Another mask token in config.json is served and printed with the exact check: vLLM reads the id, but the masked
+    slot's residual is fc(mask_hidden) and the token's embedding only enters its q/k/v, and on this tiny target vLLM
+    drafted alike with it (docs/methods.md)."""
     import shutil
 
     cfg = peagle_run
