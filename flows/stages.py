@@ -50,7 +50,7 @@ STAGE_READS: dict[str, StageReads] = {
     "evaluate": StageReads(("model.chat_template_kwargs", "evaluation", "validation.max_length", "model.dtype",
                             "model.trust_remote_code", "runtime.device", "runtime.seed")),
     "benchmark": StageReads(("model.chat_template_kwargs", "benchmark", "evaluation", "registry.agreement_alpha",
-                             "registry.agreement_min_drafts", "registry.speedup_concurrency", "runtime.engines",
+                             "registry.agreement_min_drafts", "registry.agreement_exact", "registry.speedup_concurrency", "runtime.engines",
                              "validation.max_length", "model.trust_remote_code")),
     "register": StageReads(("registry", "tracking", "evaluation", "validation.max_length", "run_id")),
 }
