@@ -1,20 +1,25 @@
 """Which draft method serves best for this target, data and budget: EAGLE3, EAGLE 3.1, P-EAGLE and DFlash side by side.
 
     .venv/bin/python benchmarks/methods.py --config params.yaml [--methods eagle3 eagle3.1 peagle dflash] \
-        [--speculative-tokens 2 3] [overrides for every method]
+        [--speculative-tokens 2 3] [--folder methods] [overrides for every method]
 
 Reads a finished run (`eaglet run` up to capture at least). Each method is a sub-run under
-`<output_dir>/methods/<method>/` (hard links to the run's target, records and feature shards: benchmarks/subruns.py)
-trained with the run's recipe and budget (the same records, epochs and tokens per step: the same training tokens),
-evaluated offline (the chain on the reference prompts) and then served by the benchmark stage's own `run` on vLLM's
-CPU build: the target alone and the drafter at each number of speculative tokens, `benchmark.rounds` alternating
-rounds on engines started once, and the suites of `evaluation.sets` replayed on the engine drafting the longest
-chain (held-out τ over the suite prompts with a 95 % bootstrap interval, acceptance by position).
+`<output_dir>/<folder>/<method>/` (hard links to the run's target, records and feature shards: benchmarks/subruns.py;
+`--folder` defaults to `methods`, and another folder repeats the comparison, e.g. with `runtime.seed=1` to see how
+far a training seed moves τ) trained with the run's recipe and budget (the same records, epochs and tokens per step:
+the same training tokens), evaluated offline (the chain on the reference prompts) and then served by the benchmark
+stage's own `run` on vLLM's CPU build: the target alone and the drafter at each number of speculative tokens,
+`benchmark.rounds` alternating rounds on engines started once, and the suites of `evaluation.sets` replayed on the
+engine drafting the longest chain (held-out τ over the suite prompts with a 95 % bootstrap interval, acceptance by
+position).
 
 Prints one row per method: suite τ [interval], acceptance by position, and the speedup over the target alone at each
-k (median [min-max] of the rounds); the best k of each method and the best method by median speedup. Writes
-`<output_dir>/methods/methods.json` and `methods.png` (τ with intervals; speedup per k), logged to an MLflow run named
-`methods`. A finished method is reused (delete its folder to redo it).
+k (median [min-max] of the rounds); then each method's τ against the first method's on the same suite prompts (the
+paired bootstrap the registry's gates use: prompts shared by name and token hash, resampled together, so the prompts'
+shared difficulty cancels and a difference of a few hundredths can be told from noise); the best k of each method
+and the best method by median speedup. Writes `<output_dir>/<folder>/methods.json` and `methods.png` (τ with
+intervals; speedup per k), logged to an MLflow run named `methods`. A finished method is reused (delete its folder
+to redo it).
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from contract.config_loading import load_config
+from contract.reports import BenchmarkReport, PromptAcceptance, load_report
 from models.draft_methods import METHODS
 from subruns import POINT_FILE, link_run_features, link_run_inputs, measure_point, subrun_config
 from tasks import benchmark
 from tasks.common.artifacts import read_json, save_figure, write_json
+from tasks.register import SERVING_REPORT
+from tasks.registry.comparison import SetComparison, compare_rows
 
 SERVED_FILE = "served.json"
 
@@ -54,6 +62,31 @@ def served_point(cfg: Any) -> dict[str, Any]:
     }
     write_json(out / SERVED_FILE, served)
     return served
+
+
+def suite_rows(cfg: Any) -> list[PromptAcceptance]:
+    """The sub-run's suite prompts as its vLLM engine replayed them (per-prompt rounds and acceptance, token hash)."""
+    report = load_report(BenchmarkReport, cfg.output_path / SERVING_REPORT, "benchmark")
+    suites = report.engines["vllm"].suites
+    if suites is None:
+        raise SystemExit(f"{cfg.output_path / SERVING_REPORT}: no suites replayed on the engine (evaluation.sets)")
+    return suites.per_prompt
+
+
+def paired_taus(rows: dict[str, list[PromptAcceptance]], baseline: str) -> dict[str, dict[str, Any]]:
+    """Each other method's suite τ minus `baseline`'s over the same prompts, with the paired 95 % interval; a method
+    replayed on other prompts says so instead."""
+    paired: dict[str, dict[str, Any]] = {}
+    for method, method_rows in rows.items():
+        if method == baseline:
+            continue
+        comparison = compare_rows("suites", method_rows, rows[baseline])
+        if isinstance(comparison, SetComparison):
+            paired[method] = {"against": baseline, "difference": comparison.difference.as_json(),
+                              "describe": comparison.describe().replace("champion", baseline)}
+        else:
+            paired[method] = {"against": baseline, "incomparable": comparison.reason}
+    return paired
 
 
 def best_k(served: dict[str, Any]) -> str:
@@ -100,8 +133,10 @@ def plot_methods(points: dict[str, dict[str, Any]], path: Path) -> Path:
     return save_figure(figure, path)
 
 
-def log_methods(run_cfg: Any, points: dict[str, dict[str, Any]], files: list[Path]) -> None:
-    """One MLflow run `methods`: per method its τ, interval and speedup per k as metrics; the files as artifacts."""
+def log_methods(run_cfg: Any, points: dict[str, dict[str, Any]], paired: dict[str, dict[str, Any]],
+                files: list[Path]) -> None:
+    """One MLflow run `methods`: per method its τ, interval, paired difference to the first method and speedup per k
+    as metrics; the files as artifacts."""
     import mlflow
 
     from tasks.common.mlflow_store import ensure_experiment, tracking_uri
@@ -116,6 +151,11 @@ def log_methods(run_cfg: Any, points: dict[str, dict[str, Any]], files: list[Pat
                        f"{method}_suite_tau_high": high}
             for k, row in served["speedup_by_k"].items():
                 metrics[f"{method}_speedup_k{k}"] = row["output_tokens_per_s"]
+            difference = paired.get(method, {}).get("difference")
+            if difference is not None:
+                metrics.update({f"{method}_suite_tau_paired_difference": difference["estimate"],
+                                f"{method}_suite_tau_paired_difference_low": difference["low"],
+                                f"{method}_suite_tau_paired_difference_high": difference["high"]})
             mlflow.log_metrics(metrics)
         for path in files:
             mlflow.log_artifact(str(path))
@@ -126,6 +166,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--speculative-tokens", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--folder", default="methods", help="sub-runs under <output_dir>/<folder>/<method>/")
     parser.add_argument("overrides", nargs="*", help="section.field=value for every method")
     args = parser.parse_args()
     run_cfg = load_config(args.config, args.overrides)
@@ -136,8 +177,9 @@ def main() -> None:
     served_setting = [f"benchmark.num_speculative_tokens={json.dumps(tokens)}", f"evaluation.steps={tokens[-1]}",
                       "benchmark.engines=[vllm]"]
     points: dict[str, dict[str, Any]] = {}
+    rows: dict[str, list[PromptAcceptance]] = {}
     for method in args.methods:
-        directory = (run_dir / "methods" / method).resolve()
+        directory = (run_dir / args.folder / method).resolve()
         cfg = subrun_config(args.config, [*args.overrides, *served_setting, f"draft.method={method}"], directory,
                             f"method-{method}")
         if not (directory / POINT_FILE).is_file():
@@ -146,16 +188,20 @@ def main() -> None:
         point = measure_point(cfg, {"method": method})
         point["served"] = served_point(cfg)
         points[method] = point
+        rows[method] = suite_rows(cfg)
         print(describe(method, point), flush=True)
+    paired = paired_taus(rows, args.methods[0])
+    for method, comparison in paired.items():
+        print(f"{method:<9} {comparison.get('describe') or comparison['incomparable']}")
     best = {method: best_k(point["served"]) for method, point in points.items()}
     winner = max(points, key=lambda method: points[method]["served"]["speedup_by_k"][best[method]][
         "output_tokens_per_s"])
-    json_path = run_dir / "methods" / "methods.json"
+    json_path = run_dir / args.folder / "methods.json"
     write_json(json_path, {"config": str(args.config), "overrides": args.overrides, "speculative_tokens": tokens,
-                           "best_k": best, "best_method": winner, "points": points})
-    png_path = plot_methods(points, run_dir / "methods" / "methods.png")
+                           "best_k": best, "best_method": winner, "paired_suite_tau": paired, "points": points})
+    png_path = plot_methods(points, run_dir / args.folder / "methods.png")
     if run_cfg.tracking.enabled:
-        log_methods(run_cfg, points, [json_path, png_path])
+        log_methods(run_cfg, points, paired, [json_path, png_path])
     print(json.dumps({"best_method": winner, "best_k": best, "methods": str(json_path), "plot": str(png_path)}))
 
 
