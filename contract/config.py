@@ -204,7 +204,10 @@ class RegenerationConfig(Section):
 class ValidationConfig(Section):
     """The data contract of the validate stage and its train/eval split."""
 
-    max_length: int = Field(default=2048, ge=8)
+    max_length: int = Field(
+        default=2048, ge=8,
+        description="records are truncated to this many tokens; one left with no supervised token is skipped, and "
+        "regenerate does not send a record whose first prompt is already longer (tasks/data/length_gate.py)")
     eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     seed: int = 0
     max_error_fraction: float = Field(

@@ -11,6 +11,9 @@ batches in-process, so it goes by chunks: turn k of every record of a chunk toge
 Finished records are committed to a journal every `chunk_records`, so a killed run resumes without loss
 or duplicates.
 
+A record whose first prompt is already over `validation.max_length` is not sent: validate would drop it whatever
+the target answers (tasks/data/length_gate.py); it ends `skipped`, its length in the reason.
+
 A server that refuses a request (a 4xx not worth retrying) costs that record an error. One that refuses
 REFUSAL_STREAK finished requests in a row refuses everything (wrong model name, credentials or endpoint), so
 the stage stops with ServerRefusedError carrying the URL and the first refusal instead of marking every
@@ -40,6 +43,7 @@ from contract.secrets import redacted_url, unredacted_mapping
 from tasks.common.artifacts import read_json, write_json, write_jsonl
 from tasks.data.generation import GenerationReply, GenerationRequest, Generator
 from tasks.data.journal import Journal
+from tasks.data.length_gate import over_length_reason, prompt_tokens
 from tasks.data.reply_settings import reply_settings
 from tasks.common.progress import advance, progress_bar
 
@@ -129,7 +133,12 @@ def run(cfg: RunConfig) -> RegenerateResult:
     journal = Journal(data_dir / "regenerate.journal.jsonl", settings_fingerprint(params, cfg))
     done = {key: entry for key, entry in journal.load().items() if entry.get("input") == input_hash(records_by_key.get(key))}
     todo = [(key, record) for key, record in records if key not in done]
-    stats = {"completion_tokens": 0.0, "generation_seconds": 0.0, "records": 0.0}
+    stats = {"completion_tokens": 0.0, "generation_seconds": 0.0, "records": 0.0, "records_over_max_length": 0.0}
+    if todo and cfg.regeneration.enabled:
+        over_length, todo = gate_over_length(cfg, todo)
+        journal.commit(over_length)
+        done.update((entry["key"], entry) for entry in over_length)
+        stats["records_over_max_length"] = float(len(over_length))
     if todo:
         with ExitStack() as stack:
             generator = open_generator(cfg, stack) if cfg.regeneration.enabled else None
@@ -229,6 +238,31 @@ def regeneration_launch(cfg: RunConfig, log_path: Path):
     launch.dtype = regeneration_dtype(cfg)
     launch.env.update(unredacted_mapping(settings.engine_env, "regeneration.engine_env"))
     return launch
+
+
+def gate_over_length(cfg: RunConfig, todo: list[tuple[str, PromptRecord]]
+                     ) -> tuple[list[dict[str, Any]], list[tuple[str, PromptRecord]]]:
+    """(skipped journal entries of the records validate would drop whatever the target answers, the records to
+    send): tasks/data/length_gate.py. A record that cannot be planned is sent on, to get its error where it is
+    planned."""
+    from tasks.common.target_info import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.output_path / "target", cfg.model)
+    skipped: list[dict[str, Any]] = []
+    kept: list[tuple[str, PromptRecord]] = []
+    for key, record in todo:
+        try:
+            messages = plan_messages(record, cfg.regeneration.supervise, keep_responses=False)
+        except PlanError:
+            kept.append((key, record))
+            continue
+        first_slot = next(index for index, message in enumerate(messages) if message.role == "assistant")
+        reason = over_length_reason(prompt_tokens(tokenizer, messages, first_slot), cfg.validation.max_length)
+        if reason is None:
+            kept.append((key, record))
+        else:
+            skipped.append(entry_for(key, record, "skipped", reason))
+    return skipped, kept
 
 
 def chunks(items: list[Any], size: int) -> list[list[Any]]:
@@ -433,12 +467,14 @@ def finish(cfg: RunConfig, records: list[tuple[str, PromptRecord]], done: dict[s
 
 
 def throughput(stats: dict[str, float]) -> dict[str, float]:
-    """Tokens/s and records/s of the generation done by this invocation (a resumed run counts its part)."""
+    """Tokens/s and records/s of the generation done by this invocation (a resumed run counts its part), and how
+    many records it did not send because their first prompt is over validation.max_length."""
     seconds = stats["generation_seconds"]
     return {
         "completion_tokens": stats["completion_tokens"],
         "generation_seconds": round(seconds, 3),
         "tokens_per_second": round(stats["completion_tokens"] / seconds, 3) if seconds else 0.0,
         "records_per_second": round(stats["records"] / seconds, 3) if seconds else 0.0,
+        "records_over_max_length": stats["records_over_max_length"],
         **{key: value for key, value in stats.items() if key.startswith("endpoint_")},
     }

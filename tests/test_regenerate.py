@@ -18,7 +18,7 @@ import yaml
 
 from contract.config import RunConfig
 from contract.records import PromptRecord, read_prompt_records
-from tasks import ingest, regenerate, target
+from tasks import ingest, regenerate, target, validate
 from tasks.data.generation import GenerationRequest
 from tasks.data.generation_local import LocalGenerator
 from tasks.serving.engine import free_port
@@ -122,6 +122,29 @@ def test_records_say_which_dtype_wrote_them(tmp_path: Path, tiny_target_dir: Pat
               for cfg in (half, full)]
     assert [p.dtype for p in params] == ["bfloat16", "float32"]
     assert regenerate.settings_fingerprint(params[0], half) != regenerate.settings_fingerprint(params[1], full)
+
+
+def test_a_record_whose_first_prompt_is_over_max_length_is_counted_and_not_sent(tmp_path: Path,
+                                                                                   tiny_target_dir: Path) -> None:
+    """Validate would drop it whatever the target answers, so the engine is not spent on it: it ends skipped with
+    its length, every other record is written, and the journal's key changes with validation.max_length."""
+    long_turn = {"id": "long", "conversations": [{"from": "human", "value": "bird " * 200},
+                                                 {"from": "gpt", "value": "old"}, {"from": "human", "value": "Shorter."}]}
+    cfg = prepare_run(tmp_path, tiny_target_dir, [CHATS[1], long_turn])
+    cfg.validation.max_length = 128
+    result = regenerate.run(cfg)
+    report = result.report
+    assert (report.input, report.ok, report.error, report.skipped) == (2, 1, 0, 1)
+    reason = {outcome.id: outcome.reason for outcome in report.outcomes}["chats:long"]
+    assert "over validation.max_length 128" in reason and "not sent" in reason
+    assert report.metrics["records_over_max_length"] == 1
+    assert set(by_id(result.output_path)) == {"chats:s1"}
+    checked = validate.run(cfg)
+    assert checked.report.input == 1 and checked.report.ok == 1
+    params = regenerate.generation_params(cfg, json.loads((cfg.output_path / "target.json").read_text()))
+    longer = cfg.model_copy(update={"validation": cfg.validation.model_copy(update={"max_length": 4096})})
+    assert regenerate.settings_fingerprint(params, cfg) != regenerate.settings_fingerprint(params, longer)
+    assert by_id(regenerate.run(longer).output_path).keys() == {"chats:s1", "chats:long"}
 
 
 def test_generation_stops_at_the_targets_stop_token(tmp_path: Path, tiny_target_dir: Path) -> None:

@@ -38,9 +38,10 @@ ENGINE_NOT_REPLIES: dict[str, str] = {
     "env": "its threads, memory and tokens",
 }
 
-#: Fields outside those sections that change replies: template arguments and the numerics of the local backend.
+#: Fields outside those sections that change replies: template arguments, the numerics of the local backend, and
+#: the length past which a record's first prompt is not sent (tasks/data/length_gate.py).
 MODEL_REPLY_FIELDS: tuple[str, ...] = ("model.chat_template_kwargs", "model.dtype", "model.trust_remote_code",
-                                       "runtime.device")
+                                       "runtime.device", "validation.max_length")
 
 
 def engine_kinds() -> tuple[str, ...]:
