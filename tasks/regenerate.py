@@ -243,21 +243,20 @@ def regeneration_launch(cfg: RunConfig, log_path: Path):
 def gate_over_length(cfg: RunConfig, todo: list[tuple[str, PromptRecord]]
                      ) -> tuple[list[dict[str, Any]], list[tuple[str, PromptRecord]]]:
     """(skipped journal entries of the records validate would drop whatever the target answers, the records to
-    send): tasks/data/length_gate.py. A record that cannot be planned is sent on, to get its error where it is
-    planned."""
+    send): tasks/data/length_gate.py. A record that cannot be planned is sent on, to get its error entry where the
+    stage plans it."""
     from tasks.common.target_info import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.output_path / "target", cfg.model)
     skipped: list[dict[str, Any]] = []
     kept: list[tuple[str, PromptRecord]] = []
     for key, record in todo:
-        try:
-            messages = plan_messages(record, cfg.regeneration.supervise, keep_responses=False)
-        except PlanError:
+        item, _ = plan_record(key, record, cfg.regeneration.supervise, keep_responses=False)
+        if item is None:
             kept.append((key, record))
             continue
-        first_slot = next(index for index, message in enumerate(messages) if message.role == "assistant")
-        reason = over_length_reason(prompt_tokens(tokenizer, messages, first_slot), cfg.validation.max_length)
+        tokens = prompt_tokens(tokenizer, item.messages, item.slots[0])
+        reason = over_length_reason(tokens, cfg.validation.max_length)
         if reason is None:
             kept.append((key, record))
         else:
