@@ -33,6 +33,10 @@ def environment_strings(value: Any) -> Any:
             for key, item in value.items()}
 
 
+#: An engine's environment: numbers given on the command line become the strings an environment holds.
+Environment = Annotated[dict[str, str], BeforeValidator(environment_strings)]
+
+
 class ModelConfig(Section):
     """Where the target model comes from.
 
@@ -141,7 +145,7 @@ class RegenerationConfig(Section):
     backoff_initial_s: float = Field(default=1.0, gt=0.0)
     backoff_max_s: float = Field(default=30.0, gt=0.0)
     chunk_records: int = Field(default=16, ge=1)
-    engine_env: dict[str, str] = Field(
+    engine_env: Environment = Field(
         default_factory=dict,
         description="added to runtime.engines.<engine>.env for the engine this stage starts, e.g. all CPU cores for "
         "vLLM's CPU build (VLLM_CPU_NUM_OF_RESERVED_CPU=0): the stage has the machine to itself, the benchmark's "
@@ -154,11 +158,6 @@ class RegenerationConfig(Section):
         "the stage starts (not a server at base_url); auto: model.dtype, except that a float32 target runs in "
         "bfloat16 on GPU and on CPUs with bf16 matrix units (AMX, AVX512-BF16), where it is several times faster. "
         "Every record says which dtype wrote it")
-
-    @field_validator("engine_env", mode="before")
-    @classmethod
-    def _numbers_as_strings(cls, value: Any) -> Any:
-        return environment_strings(value)
 
     @model_validator(mode="after")
     def _openai_needs_a_server(self) -> "RegenerationConfig":
@@ -296,7 +295,7 @@ class CaptureConfig(Section):
         "skipped with the reason (the evaluate stage reads the suites, not these features); null: all")
     backend: Literal["local", "vllm"] = "local"
     engine_concurrency: int = Field(default=32, ge=1, description="records in flight to the engine (backend vllm)")
-    engine_env: dict[str, str] = Field(
+    engine_env: Environment = Field(
         default_factory=dict,
         description="added to runtime.engines.vllm.env for the engine this stage starts (backend vllm), e.g. all "
         "CPU cores for vLLM's CPU build (VLLM_CPU_NUM_OF_RESERVED_CPU=0); every value is secret, written as ***")
@@ -305,11 +304,6 @@ class CaptureConfig(Section):
         description="backend vllm: this share of the records (at least one when > 0), evenly spaced, is captured "
         "again in-process; the stage fails when a state slot matches another layer best or differs beyond the "
         "dtype's tolerance")
-
-    @field_validator("engine_env", mode="before")
-    @classmethod
-    def _numbers_as_strings(cls, value: Any) -> Any:
-        return environment_strings(value)
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -575,6 +569,14 @@ class BenchmarkConfig(Section):
     max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     startup_timeout_s: float = Field(default=600.0, gt=0.0)
+    replay_engine_env: Environment = Field(
+        default_factory=dict,
+        description="empty: the agreement run and the suites' replay (evaluation.sets_on: engine) run on the "
+        "first round's engine drafting the evaluation's chain; set: on an engine of their own, started after the "
+        "speed rounds with these added to runtime.engines.<engine>.env, e.g. all CPU cores for vLLM's CPU build "
+        "(VLLM_CPU_NUM_OF_RESERVED_CPU=0), where the rounds' engines leave one to the client. They count tokens, "
+        "not time, so the cores change how fast they run, not what they read; every value is secret, written as ***")
+
 
 
 class TrackingConfig(Section):
@@ -715,15 +717,11 @@ class EngineConfig(Section):
     python: str = Field(description="Python of the engine's own virtualenv")
     port: int = Field(default=8100, ge=1, le=65535)
     extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(
+    env: Environment = Field(
         default_factory=dict, description="added to the engine's environment; every value is secret (tokens such as "
         "HF_TOKEN go here) and written as ***")
     startup_timeout_s: float = Field(default=600.0, gt=0.0)
 
-    @field_validator("env", mode="before")
-    @classmethod
-    def _numbers_as_strings(cls, value: Any) -> Any:
-        return environment_strings(value)
 
 
 def default_engines() -> dict[str, EngineConfig]:

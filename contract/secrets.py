@@ -1,6 +1,7 @@
 """Which run-config fields hold credentials, and the redacted form every file, MLflow record and printout gets.
 
-Secret: every value of `runtime.engines.<engine>.env`, `regeneration.engine_env` and `capture.engine_env` (an
+Secret: every value of `runtime.engines.<engine>.env`, `regeneration.engine_env`, `capture.engine_env` and
+`benchmark.replay_engine_env` (an
 engine's environment is where tokens such as HF_TOKEN go), `regeneration.api_key`, every value of
 `regeneration.headers`, and the
 userinfo of `tracking.tracking_uri` and `regeneration.base_url`: its password (`https://user:***@host`), or all
@@ -80,6 +81,7 @@ SECRET_FIELDS: dict[str, Callable[[Any], Any]] = {
     "runtime.engines.*.env": redacted_mapping,
     "regeneration.engine_env": redacted_mapping,
     "capture.engine_env": redacted_mapping,
+    "benchmark.replay_engine_env": redacted_mapping,
     "regeneration.headers": redacted_mapping,
     "regeneration.api_key": redacted_value,
     "regeneration.base_url": redacted_urls,

@@ -29,7 +29,9 @@ What the stage checks (a failure is written to the report first, then raised as 
   - the drafter drafted: the engine's speculative counters moved;
   - greedy outputs (temperature 0) are identical with and without the drafter, request for request;
   - the engine drafts what the offline evaluation `evaluate/acceptance.json` measured, when that exists: its
-    prompts (same token ids, budget and temperature) are replayed on the engine drafting the evaluation's chain and
+    prompts (same token ids, budget and temperature) are replayed on the engine drafting the evaluation's chain (the
+    first round's, or with `benchmark.replay_engine_env` one started after the rounds with that environment, e.g.
+    every CPU core: the replays count tokens, not time, and the suites' replay is the stage's longest part) and
     compared with a test at `registry.agreement_alpha`: per draft position on vLLM (tasks/serving/agreement.py), on
     tokens per verify round over SGLang's /generate (tasks/serving/totals_agreement.py). A significant difference
     fails: the engine is not drafting from what the drafter was trained on (aux layer ids, docs/architecture.md §3,
@@ -68,6 +70,7 @@ from typing import Any, Optional
 from contract.config import RunConfig
 from contract.records import PromptRecord
 from contract.reports import AcceptanceReport, BenchmarkReport, load_report
+from contract.secrets import unredacted_mapping
 from tasks.common.artifacts import read_json, save_figure, write_json, write_jsonl
 from tasks.common.suite_summary import interval_metrics, metric_name, plot_suites
 from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve, serve_together
@@ -152,10 +155,13 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     for kind in settings.engines:
         sweep = serving_sweep(kind, settings.num_speculative_tokens, settings.sglang_trees, steps)
         replay = agreement if kind in AGREEMENT_CHECKS else agreement.without_prompts()
+        in_rounds = replay.without_prompts() if settings.replay_engine_env else replay
         if settings.engine_starts == "once":
-            baselines, drafted = measure_resident(cfg, kind, requests, sampling, sweep, replay)
+            baselines, drafted = measure_resident(cfg, kind, requests, sampling, sweep, in_rounds)
         else:
-            baselines, drafted = measure_per_round(cfg, kind, requests, sampling, sweep, replay)
+            baselines, drafted = measure_per_round(cfg, kind, requests, sampling, sweep, in_rounds)
+        if settings.replay_engine_env:
+            replay_on_own_engine(cfg, kind, replay, drafted)
         engines[kind] = engine_report(cfg, kind, baselines, drafted, steps)
         measured_runs = baselines + [measured for runs in drafted.values() for measured in runs]
         rows += [row for measured in measured_runs for row in request_rows(kind, measured)]
@@ -170,6 +176,7 @@ def run(cfg: RunConfig) -> BenchmarkResult:
             "offline_steps": steps, "eval_records": len(records),
             "distinct_prompts": len({request.prompt_id for request in requests if request.suite is None}),
             "per_suite": settings.per_suite,
+            "replay_engine_env": sorted(settings.replay_engine_env),  # the names: the values are secret
             "suite_requests": {suite: len(members) for suite, members in by_suite(requests).items()},
         },
         "engines": engines,
@@ -410,14 +417,39 @@ def measure_levels(cfg: RunConfig, kind: EngineKind, engine: RunningEngine, vari
                 measured.report.setdefault("suite_levels", {}).setdefault(suite, []).append(level)
                 measured.suite_results.setdefault(suite, {})[concurrency] = results
     measured.report["peak_rss_mib"] = memory.peak_bytes / 2**20
+    if agreement is not None:
+        replay_on(engine, kind, agreement, measured)
+    return measured
+
+
+def replay_on(engine: RunningEngine, kind: EngineKind, agreement: AgreementRun, measured: VariantRun) -> None:
+    """The suites' replay and the agreement run on `engine`, kept on `measured` (the run of the engine drafting
+    the evaluation's chain, first round)."""
     memo = CountedMemo()
-    if agreement is not None and agreement.suite_units and kind == "vllm":
+    if agreement.suite_units and kind == "vllm":
         replayed = replay_suites(engine, kind, agreement.suite_units, agreement.max_tokens, agreement.temperature,
                                  memo)
         measured.suites = {**replayed, "units": agreement.suite_units}
-    if agreement is not None and agreement.prompts:
+    if agreement.prompts:
         measured.report["agreement"] = replay_agreement(engine, kind, agreement, memo)
-    return measured
+
+
+def replay_on_own_engine(cfg: RunConfig, kind: EngineKind, agreement: AgreementRun, drafted: Drafted) -> None:
+    """`benchmark.replay_engine_env`: after the speed rounds, one engine drafting the evaluation's chain, with that
+    environment added, replays what `replay_on` would have replayed on the first round's engine. Its command, log
+    and start-up go into that run's report as `replay_engine`."""
+    chain = ServingSetting(agreement.steps)
+    if not drafted.get(chain) or agreement.on(chain, 1) is None:
+        return
+    launch = engine_launch(cfg, kind, "replay", cfg.output_path / "draft" / kind, chain)
+    launch.env.update(unredacted_mapping(cfg.benchmark.replay_engine_env, "benchmark.replay_engine_env"))
+    measured = drafted[chain][0]
+    started = time.monotonic()
+    with serve(launch) as engine:
+        startup_s = time.monotonic() - started
+        replay_on(engine, kind, agreement, measured)
+    measured.report["replay_engine"] = {"command": engine.command, "log": str(engine.log_path),
+                                        "startup_s": startup_s}
 
 
 def replay_agreement(engine: RunningEngine, kind: EngineKind, agreement: AgreementRun,

@@ -969,6 +969,33 @@ def test_vllm_sweep_measures_each_chain_length_and_recommends_the_fastest(drafte
     print(f"\nsweep: { {k: (row['speedup'][0]['output_tokens_per_s'], row['predicted_speedup']) for k, row in sweep.items()} }")
 
 
+def test_replays_run_on_an_engine_of_their_own_with_replay_engine_env(drafted_run: RunConfig) -> None:
+    """benchmark.replay_engine_env: the speed rounds' engines keep vLLM's default (a core left to the client); the
+    agreement run and the suites' replay go to one engine started afterwards with the given environment, and
+    read what they read on the round's engine."""
+    from tasks import evaluate
+
+    if not (drafted_run.output_path / "evaluate" / "acceptance.json").is_file():
+        evaluate.run(drafted_run)
+    settings = drafted_run.benchmark.model_copy(update={
+        "concurrency": [1], "rounds": 1, "engine_starts": "once", "per_suite": False,
+        "replay_engine_env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}})
+    cfg = drafted_run.model_copy(update={"benchmark": settings})
+    report = benchmark.run(cfg).report
+
+    assert report["passed"] and report["settings"]["replay_engine_env"] == ["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+    vllm = report["engines"]["vllm"]
+    replay = vllm["eagle3"]["rounds"][0]["replay_engine"]
+    assert replay["startup_s"] > 0 and "--speculative-config" in replay["command"]
+    replay_log = Path(replay["log"]).read_text(encoding="utf-8")
+    round_log = Path(vllm["eagle3"]["log"]).read_text(encoding="utf-8")
+    assert Path(replay["log"]).name == "vllm-replay.log" and "reserve_cpu_num=0" in replay_log
+    assert "reserve_cpu_num=0" not in round_log, "the rounds' engine runs as configured for serving"
+    assert replay_log.count("POST /v1/completions") >= 6 and "POST /v1/completions" not in round_log
+    assert vllm["acceptance_check"]["status"] == "ok"
+    check_suites_on_the_engine(cfg, vllm)
+
+
 SGLANG_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 
 
