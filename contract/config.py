@@ -578,7 +578,6 @@ class BenchmarkConfig(Section):
         "not time, so the cores change how fast they run, not what they read; every value is secret, written as ***")
 
 
-
 class TrackingConfig(Section):
     """MLflow tracking. `tracking_uri` unset means a sqlite store under the run's output dir. A user:password@ in
     `tracking_uri` is secret: MLflow gets it through its own variables (tasks/common/mlflow_store.py)."""
@@ -721,7 +720,6 @@ class EngineConfig(Section):
         default_factory=dict, description="added to the engine's environment; every value is secret (tokens such as "
         "HF_TOKEN go here) and written as ***")
     startup_timeout_s: float = Field(default=600.0, gt=0.0)
-
 
 
 def default_engines() -> dict[str, EngineConfig]:

@@ -1,11 +1,10 @@
 """Which run-config fields hold credentials, and the redacted form every file, MLflow record and printout gets.
 
 Secret: every value of `runtime.engines.<engine>.env`, `regeneration.engine_env`, `capture.engine_env` and
-`benchmark.replay_engine_env` (an
-engine's environment is where tokens such as HF_TOKEN go), `regeneration.api_key`, every value of
-`regeneration.headers`, and the
-userinfo of `tracking.tracking_uri` and `regeneration.base_url`: its password (`https://user:***@host`), or all
-of it when there is no password (`https://***@host`, a token given as the user name). Each becomes `***`.
+`benchmark.replay_engine_env` (an engine's environment is where tokens such as HF_TOKEN go), `regeneration.api_key`,
+every value of `regeneration.headers`, and the userinfo of `tracking.tracking_uri` and `regeneration.base_url`: its
+password (`https://user:***@host`), or all of it when there is no password (`https://***@host`, a token given as the
+user name). Each becomes `***`.
 
 A config read back from a redacted copy (a run's `config/run.yaml`, `eaglet config show`) still loads and runs
 everything that does not need a secret; the code that needs one takes it through `unredacted`,

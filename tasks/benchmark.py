@@ -30,8 +30,8 @@ What the stage checks (a failure is written to the report first, then raised as 
   - greedy outputs (temperature 0) are identical with and without the drafter, request for request;
   - the engine drafts what the offline evaluation `evaluate/acceptance.json` measured, when that exists: its
     prompts (same token ids, budget and temperature) are replayed on the engine drafting the evaluation's chain (the
-    first round's, or with `benchmark.replay_engine_env` one started after the rounds with that environment, e.g.
-    every CPU core: the replays count tokens, not time, and the suites' replay is the stage's longest part) and
+    first round's, or with `benchmark.replay_engine_env` one started after the rounds with that environment: the
+    replays count tokens, not time, so they may have every CPU core the rounds leave to the client) and
     compared with a test at `registry.agreement_alpha`: per draft position on vLLM (tasks/serving/agreement.py), on
     tokens per verify round over SGLang's /generate (tasks/serving/totals_agreement.py). A significant difference
     fails: the engine is not drafting from what the drafter was trained on (aux layer ids, docs/architecture.md §3,
