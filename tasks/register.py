@@ -379,12 +379,22 @@ def gate_tags(cfg: RunConfig, inputs: RegisterInputs, gates: list[Gate], fingerp
     }
 
 
+#: Characters MLflow refuses in a logged model's name.
+FORBIDDEN_IN_MODEL_NAMES = "/:.%\"'"
+
+
+def logged_model_name(method: str) -> str:
+    """The logged model's name for a drafter of `method`. MLflow refuses a '.' in it, so EAGLE 3.1's
+    (`eagle3.1`) is logged as `eagle3_1-drafter`; the contract and the method tag keep the method as written."""
+    return "".join("_" if char in FORBIDDEN_IN_MODEL_NAMES else char for char in method) + "-drafter"
+
+
 def log_drafter(client: Any, inputs: RegisterInputs, contract: CheckpointContract, active: Any) -> str:
     """A logged model holding both engine folders byte for byte, contract.json and the reports."""
     import mlflow
 
     model = mlflow.initialize_logged_model(
-        name=f"{contract.method}-drafter", source_run_id=active.info.run_id, experiment_id=active.info.experiment_id,
+        name=logged_model_name(contract.method), source_run_id=active.info.run_id, experiment_id=active.info.experiment_id,
         model_type=f"{contract.method}-draft", tags={"eaglet.target_revision": contract.target_revision},
         params={"target_id": contract.target_id, "draft_vocab_size": str(contract.draft_vocab_size),
                 "aux_layer_ids": json.dumps(contract.aux_layer_ids)},

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import typing
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -22,7 +23,7 @@ from typer.testing import CliRunner
 from contract.checkpoint import CheckpointContract, ContractMismatch
 from pydantic import ValidationError
 
-from contract.config import WAIVABLE_GATES, RegistryConfig, RunConfig, TrackingConfig
+from contract.config import WAIVABLE_GATES, DraftConfig, RegistryConfig, RunConfig, TrackingConfig
 from contract.config_loading import ConfigError, config_as_yaml, load_config
 from contract.reports import AcceptanceReport, BenchmarkReport
 from flows.registry_cli import add_registry_commands
@@ -739,6 +740,19 @@ def recommending(speedups: list[dict[str, Any]], **engine: Any) -> BenchmarkRepo
     """A vLLM benchmark recommending a chain of 2 whose speedup rows are `speedups`."""
     check = {"status": "ok", "check": "per_position", "min_p_value": 0.4}
     return BenchmarkReport.model_validate(benchmark_report({"vllm": engine_report(speedups, check, steps=2, **engine)}))
+
+
+@pytest.mark.parametrize("method", typing.get_args(DraftConfig.model_fields["method"].annotation))
+def test_every_methods_drafter_gets_a_logged_model_name_mlflow_accepts(method: str, mlflow_uri: str) -> None:
+    """`make run` registers the embedded default's EAGLE 3.1 drafter: MLflow refuses '.' in a logged model's name."""
+    mlflow.set_tracking_uri(mlflow_uri)
+    experiment = mlflow.set_experiment("names")
+    with mlflow.start_run() as active:
+        model = mlflow.initialize_logged_model(name=register.logged_model_name(method),
+                                               source_run_id=active.info.run_id,
+                                               experiment_id=experiment.experiment_id)
+        mlflow.finalize_logged_model(model.model_id, "READY")
+    assert model.name.endswith("-drafter") and model.name.startswith(method.split(".")[0])
 
 
 def test_the_recommended_serving_setting_travels_in_the_contract_and_a_tag() -> None:
