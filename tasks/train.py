@@ -390,8 +390,9 @@ class StepTotals:
     counts: list[float] = field(default_factory=list)
     tokens: float = 0.0
     waited: float = 0.0
+    supervised_tokens: float = 0.0
 
-    def add(self, loss: torch.Tensor, output: TTTOutput, tokens: int, waited: float) -> None:
+    def add(self, loss: torch.Tensor, output: TTTOutput, tokens: int, waited: float, supervised_tokens: int) -> None:
         steps = len(output.acc)
         if not self.ploss:
             self.ploss, self.correct, self.counts = [0.0] * steps, [0.0] * steps, [0.0] * steps
@@ -402,9 +403,10 @@ class StepTotals:
             self.counts[step] += output.supervised[step]
         self.tokens += tokens
         self.waited += waited
+        self.supervised_tokens += supervised_tokens
 
     def flat(self) -> list[float]:
-        return [self.loss, *self.ploss, *self.correct, *self.counts, self.tokens, self.waited]
+        return [self.loss, *self.ploss, *self.correct, *self.counts, self.tokens, self.waited, self.supervised_tokens]
 
 
 def micro_batch(loop: Loop, global_batch: list[int]) -> tuple[TTTBatch, list[dict[str, Any]]]:
@@ -436,7 +438,8 @@ def train_step(loop: Loop, micro_batches: list[list[int]]) -> dict[str, float]:
             with autocast(env.device, loop.dtype):
                 loss, output = loop.module(batch, normaliser)
             (loss * env.world_size).backward()
-        totals.add(loss, output, sum(len(record["input_ids"]) for record in records), waited)
+        totals.add(loss, output, sum(len(record["input_ids"]) for record in records), waited,
+                   sum(int(record["loss_mask"].sum()) for record in records))
     finite = env.all_sum([0.0 if math.isfinite(totals.loss) else 1.0])[0] == 0.0
     if not finite:
         ids = [loop.record_ids[index] for batch in micro_batches for index in batch]
@@ -453,12 +456,24 @@ def step_metrics(loop: Loop, reduced: list[float], steps: int, elapsed: float, g
     metrics = {"loss": reduced[0], "lr": loop.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                "tokens": reduced[1 + 3 * steps], "step_seconds": elapsed,
                "tokens_per_second": reduced[1 + 3 * steps] / elapsed,
-               "data_wait_share": reduced[2 + 3 * steps] / loop.env.world_size / elapsed}
+               "data_wait_share": reduced[2 + 3 * steps] / loop.env.world_size / elapsed,
+               "supervised_tokens": reduced[3 + 3 * steps]}
     for step in range(steps):
         metrics[f"ploss_{step}"] = reduced[1 + step]
         total = reduced[1 + 2 * steps + step]
         metrics[f"acc_{step}"] = reduced[1 + steps + step] / total if total else 0.0
     return metrics
+
+
+def supervised_share(history: list[dict[str, float]]) -> dict[str, float]:
+    """{"supervised_share": supervised tokens / tokens trained} over the logged steps that counted them (none for
+    steps replayed from a run before the count existed): the share of a token's rows where the teacher and the
+    draft's lm_head run (benchmarks' roofline counts their FLOPs with it)."""
+    counted = [entry for entry in history if "supervised_tokens" in entry]
+    tokens = sum(entry["tokens"] for entry in counted)
+    if not tokens:
+        return {}
+    return {"supervised_share": sum(entry["supervised_tokens"] for entry in counted) / tokens}
 
 
 def after_step(loop: Loop, metrics: dict[str, float]) -> None:
@@ -575,6 +590,7 @@ def finish(loop: Loop, before: dict[str, float]) -> TrainResult:
         if loop.history:
             summary["tokens_per_second"] = sum(h["tokens_per_second"] for h in loop.history) / len(loop.history)
             summary["data_wait_share"] = sum(h["data_wait_share"] for h in loop.history) / len(loop.history)
+            summary.update(supervised_share(loop.history))
         write_json(summary_path, summary)
         if loop.tracker is not None:
             loop.tracker.set_tags({"eaglet.precision": loop.math["training.precision"],

@@ -61,6 +61,19 @@ def test_offline_training_settles_the_teacher_once_so_its_pass_is_spread_over_th
     assert stage_flops_per_token(shape, online)["train"] == 15904 + 2304, "online: the teacher every time"
 
 
+def test_the_teacher_and_the_draft_head_count_at_the_supervised_share_the_train_summary_measures(
+        tmp_path: Path) -> None:
+    """Both run at supervised rows only (tasks/features/batches.taught_rows, models/ttt.py): at half the tokens
+    supervised, half their FLOPs; the train stage's `supervised_share` sets the train row's FLOPs."""
+    cfg = run_with_target(tmp_path)
+    half = stage_flops_per_token(TargetShape.from_config(TINY_LLAMA), cfg, supervised_share=0.5)
+    fc, draft_layer, draft_head, teacher = 2 * 3 * 8 * 8, 2 * 704, 2 * 8 * 10, 2 * 8 * 40
+    assert half["train"] == teacher // 2 + 3 * (fc + 3 * (draft_layer + draft_head // 2)) == 14864
+    assert half["capture"] == 2304 and half["regenerate"] == 2944, "the target's stages are not scaled"
+    rows = roofline_rows(tmp_path, cfg, {"train": {"tokens_per_second": 1e6, "supervised_share": 0.5}}, PEAKS)
+    assert rows[0]["flops_per_token"] == 14864 and rows[0]["achieved_gflops"] == pytest.approx(14.864)
+
+
 def test_bf16_is_a_peak_to_read_against_only_where_the_cpu_has_bf16_units() -> None:
     from tasks.common.roofline import native_peaks
 

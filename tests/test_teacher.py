@@ -153,3 +153,54 @@ def test_collate_with_a_settled_cache_gives_the_same_batch(monkeypatch: pytest.M
     for name in ("target_probs", "target_top1", "target_top1_in_draft", "input_ids", "aux_hidden_state"):
         assert torch.equal(getattr(plain, name), getattr(first, name)), name
         assert torch.equal(getattr(plain, name), getattr(second, name)), name
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle", "dflash"])
+def test_a_batch_taught_only_at_the_rows_objectives_read_trains_as_one_taught_everywhere(method: str) -> None:
+    """collate computes the teacher at `taught_rows` alone (supervised tokens and the row before each): every
+    method's loss, gradients and metrics equal those of the same batch with the teacher at every row."""
+    import copy
+
+    from models.draft_methods import draft_objective
+    from tasks.features.batches import collate, taught_rows
+    from test_dflash import tiny_dflash
+    from test_ttt import TINY, tiny_draft
+
+    draft = tiny_dflash() if method == "dflash" else tiny_draft(method=method)
+    generator = torch.Generator().manual_seed(11)
+    lm_head = torch.randn(TINY.vocab_size, TINY.target_hidden_size, generator=generator) * 0.5
+    records = []
+    for length, spans in [(24, [(6, 9), (10, 13), (14, 17), (22, 24)]), (12, [(3, 9)])]:  # gaps of one: DFlash
+        loss_mask = torch.zeros(length, dtype=torch.long)
+        for start, end in spans:
+            loss_mask[start:end] = 1
+        records.append({"input_ids": torch.randint(0, TINY.vocab_size, (length,), generator=generator),
+                        "loss_mask": loss_mask,
+                        "hidden_state": torch.randn(length, TINY.target_hidden_size, generator=generator) * 4,
+                        "aux_hidden_state": torch.randn(length, 3 * TINY.target_hidden_size, generator=generator)})
+    teacher = Teacher(lm_head, draft.t2d, outside_mass=True)
+    taught = collate(records, teacher)
+    everywhere = copy.deepcopy(taught)
+    for row, record in enumerate(records):
+        count = len(record["input_ids"])
+        probs, top1, in_draft = teacher(record["hidden_state"])
+        everywhere.target_probs[row, :count], everywhere.target_top1[row, :count] = probs, top1
+        everywhere.target_top1_in_draft[row, :count] = in_draft
+        skipped = torch.ones(count, dtype=torch.bool)
+        skipped[taught_rows(record["loss_mask"])] = False
+        assert skipped.sum() == count - len(taught_rows(record["loss_mask"])) > 0
+        assert not taught.target_probs[row, :count][skipped].any(), "prompt rows were taught"
+    assert taught_rows(records[0]["loss_mask"]).tolist() == [*range(5, 17), 21, 22, 23]
+
+    outputs, gradients = [], []
+    for batch in (taught, everywhere):
+        torch.manual_seed(5)  # DFlash draws its anchors from the global generator
+        output = draft_objective(draft, batch, 3)
+        outputs.append(output)
+        gradients.append(torch.autograd.grad(output.loss, [p for p in draft.parameters() if p.requires_grad]))
+    torch.testing.assert_close(outputs[0].loss, outputs[1].loss, rtol=1e-6, atol=1e-7)
+    assert outputs[0].loss > 0
+    assert outputs[0].acc == outputs[1].acc and outputs[0].supervised == outputs[1].supervised
+    assert outputs[0].expected_accept == pytest.approx(outputs[1].expected_accept, rel=1e-6)
+    for got, want in zip(*gradients):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

@@ -49,6 +49,10 @@ def test_training_improves_acceptance_and_exports_the_draft(base_run, tmp_path: 
     # against 0.0 untrained. Training must lift the prompts it never saw well above the untrained draft.
     assert summary["eval_simulated_accept_len"] > summary["untrained_simulated_accept_len"] + 0.5, summary
     assert summary["eval_acc_0"] > 0.4, summary
+    features = FeatureSet(cfg.output_path / "features", "train")
+    records = [features[index] for index in range(len(features))]
+    share = sum(int(record["loss_mask"].sum()) for record in records) / sum(len(record["input_ids"]) for record in records)
+    assert summary["supervised_share"] == pytest.approx(share), "every epoch sees each record once: the same share"
     for engine in ("sglang", "vllm"):
         config = json.loads((cfg.output_path / "draft" / engine / "config.json").read_text())
         assert config["architectures"] == ["LlamaForCausalLMEagle3"]

@@ -92,26 +92,31 @@ def target_forward_flops(shape: TargetShape, with_lm_head: bool) -> int:
     return layers + lm_head
 
 
-def draft_training_flops(shape: TargetShape, draft_vocab_size: int, ttt_length: int) -> int:
+def draft_training_flops(shape: TargetShape, draft_vocab_size: int, ttt_length: int,
+                         supervised_share: float = 1.0) -> int:
     """One token's draft forward and backward (backward = 2 x forward): fc (3H -> H) once, then per TTT step the
-    draft's decoder layer, whose q, k, v read [embedding, hidden] (2H), and its lm_head over the draft vocab."""
+    draft's decoder layer, whose q, k, v read [embedding, hidden] (2H), and its lm_head over the draft vocab, which
+    runs at supervised positions only (models/ttt.py): on `supervised_share` of the tokens."""
     fc = 2 * 3 * shape.hidden_size * shape.hidden_size
-    step = 2 * decoder_layer_weights(shape, 2 * shape.hidden_size) + 2 * shape.hidden_size * draft_vocab_size
-    return 3 * (fc + ttt_length * step)
+    layer = 2 * decoder_layer_weights(shape, 2 * shape.hidden_size)
+    lm_head = supervised_share * 2 * shape.hidden_size * draft_vocab_size
+    return round(3 * (fc + ttt_length * (layer + lm_head)))
 
 
-def stage_flops_per_token(shape: TargetShape, cfg: RunConfig) -> dict[str, int]:
+def stage_flops_per_token(shape: TargetShape, cfg: RunConfig, supervised_share: float = 1.0) -> dict[str, int]:
     """FLOPs per token of each compute stage. Regenerate samples, so it adds the lm_head (its rate counts the
     generated tokens: the prompts' prefill is left out); capture stores states only, unless compact mode computes
     the teacher's top-K there. Train computes the full-vocabulary teacher from lossless states (offline once per
     record, in its first epoch: the trainer keeps what it settled, so per trained token it is 1/epochs of a pass),
-    and online it also runs the target's forward that capture would have, every time."""
+    and online it also runs the target's forward that capture would have, every time. The teacher and the draft's
+    lm_head run at the supervised rows only (tasks/features/batches.taught_rows): `supervised_share` of the tokens
+    (the train stage's summary measures it)."""
     compact = cfg.capture.mode == "compact"
     capture = target_forward_flops(shape, with_lm_head=compact)
     teacher_passes = 1.0 if cfg.training.mode == "online" else 1.0 / cfg.training.epochs
-    teacher = 0 if compact else round(teacher_passes * 2 * shape.hidden_size * shape.vocab_size)
+    teacher = 0 if compact else round(supervised_share * teacher_passes * 2 * shape.hidden_size * shape.vocab_size)
     draft_vocab_size = cfg.capture.draft_vocab_size or shape.vocab_size
-    train = teacher + draft_training_flops(shape, draft_vocab_size, cfg.training.ttt_length)
+    train = teacher + draft_training_flops(shape, draft_vocab_size, cfg.training.ttt_length, supervised_share)
     if cfg.training.mode == "online":
         train += capture
     return {"regenerate": target_forward_flops(shape, with_lm_head=True), "capture": capture, "train": train}
@@ -166,7 +171,8 @@ def roofline_rows(output_dir: Path, cfg: RunConfig, summaries: dict[str, dict[st
     rates = stage_rates(summaries)
     if not rates:
         return []
-    flops = stage_flops_per_token(read_target_shape(output_dir), cfg)
+    share = summaries.get("train", {}).get("supervised_share", 1.0)
+    flops = stage_flops_per_token(read_target_shape(output_dir), cfg, supervised_share=share)
     rows = []
     for stage, tokens_per_second in rates.items():
         achieved = tokens_per_second * flops[stage] / 1e9
