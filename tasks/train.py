@@ -468,7 +468,7 @@ def step_metrics(loop: Loop, reduced: list[float], steps: int, elapsed: float, g
 def supervised_share(history: list[dict[str, float]]) -> dict[str, float]:
     """{"supervised_share": supervised tokens / tokens trained} over the logged steps that counted them (none for
     steps replayed from a run before the count existed): the share of a token's rows where the teacher and the
-    draft's lm_head run (benchmarks' roofline counts their FLOPs with it)."""
+    draft's lm_head run (tasks/common/roofline.py counts their FLOPs with it)."""
     counted = [entry for entry in history if "supervised_tokens" in entry]
     tokens = sum(entry["tokens"] for entry in counted)
     if not tokens:
