@@ -7,7 +7,8 @@ One step = teacher from the target's final hidden states (full-vocab lm_head), `
 backward, AdamW update, on a sequence whose first 37% is prompt (unsupervised), as in the embedded run. The baseline,
 measured in the same run on the same shapes, is the straightforward form in fp32: the whole fp32 teacher, a dense
 [T, (k+1)T] masked score matrix at every step k (the approach of SpecForge's trainer) and every metric. eaglet runs
-as its trainer does: the fused attention, the teacher in the compute dtype, loss and accuracy only, in fp32 and in
+as its trainer does: the fused attention, the teacher in the compute dtype and only at the rows the loss reads
+(tasks/features/batches.collate), loss and accuracy only, in fp32 and in
 the precision `training.precision: auto` picks on this host; with `--compile` also that precision with the step's
 dense parts compiled (models/ttt_compile.py; its warm-up steps, compilation included, are timed and printed apart).
 Rounds alternate the variants; the script prints the median rate of each and its ratio to the baseline per round
@@ -32,6 +33,7 @@ from models.teacher import Teacher
 from models.ttt import TTTBatch, step_loss, ttt_forward
 from models.ttt_compile import compile_draft_parts
 from tasks.common.devices import autocast, compute_dtype
+from tasks.features.batches import collate
 from tasks.common.host_compute import host_compute
 
 PROMPT_SHARE = 0.37  # unsupervised share of tokens in the embedded run's train features (1 - 8154/12936)
@@ -61,6 +63,7 @@ class Variant:
     dtype: torch.dtype
     expected_acceptance: bool
     compiled: bool = False
+    taught_rows_only: bool = True  # the trainer's collate; the baseline teaches every row
 
 
 @dataclass
@@ -93,9 +96,14 @@ def step_seconds(entry: Contender, teacher: Teacher, length: int, steps: int, de
         for _ in range(repeats):
             synchronise(device)
             started = time.perf_counter()
-            probs, top1, in_draft = teacher(hidden)
+            ids = torch.randint(0, 49152, (1, length), device=device)
             aux = torch.randn(1, length, 3 * 576, device=device).to(variant.dtype)
-            batch = TTTBatch(torch.randint(0, 49152, (1, length), device=device), mask, aux, probs, top1, in_draft)
+            if variant.taught_rows_only:
+                batch = collate([{"input_ids": ids[0], "loss_mask": mask[0], "hidden_state": hidden[0],
+                                  "aux_hidden_state": aux[0]}], teacher)
+            else:
+                probs, top1, in_draft = teacher(hidden)
+                batch = TTTBatch(ids, mask, aux, probs, top1, in_draft)
             entry.optimizer.zero_grad()
             with autocast(device, variant.dtype):
                 loss = ttt_forward(entry.draft, batch, steps=steps, expected_acceptance=variant.expected_acceptance,
@@ -134,7 +142,7 @@ def main() -> None:
     lm_head = (torch.randn(49152, 576) * 0.02).to(device)
     auto = compute_dtype("auto", device)
     auto_name = str(auto).removeprefix("torch.")
-    variants = [Variant("dense fp32", dense_attend, torch.float32, True),
+    variants = [Variant("dense fp32", dense_attend, torch.float32, True, taught_rows_only=False),
                 Variant("eaglet fp32", FUSED, torch.float32, False),
                 Variant(f"eaglet auto ({auto_name})", FUSED, auto, False)]
     if args.compile:
