@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Build the pinned environment benchmarks/anchor_parity.py runs in: the anchor implementations (SpecForge for
-# DFlash, speculators for P-EAGLE) installed from PyPI the way a user installs them, not eaglet's own venv, so the
-# parity check compares against the released wheels.
+# Build the pinned environment benchmarks/anchor_parity.py and benchmarks/ttt_vs_specforge.py run in: the anchor
+# implementations (SpecForge for DFlash and its EAGLE3 trainer, speculators for P-EAGLE) installed from PyPI the way
+# a user installs them, not eaglet's own venv, so the checks compare against the released wheels.
 #
 #   benchmarks/anchor_parity_env.sh [DIR]        # DIR defaults to <repo>/.venv-anchors
 #   PYTHONPATH=. DIR/bin/python benchmarks/anchor_parity.py
@@ -91,6 +91,7 @@ sniffio==1.3.1
 sympy==1.14.0
 tokenizers==0.22.2
 tqdm==4.70.1
+triton==3.9.0
 truststore==0.10.5
 typer==0.29.2
 typing-inspection==0.4.5
@@ -107,12 +108,16 @@ EOF
     aiohttp click datasets httpx huggingface-hub loguru numpy openai protobuf psutil pydantic pydantic-settings \
     rich tqdm typer hs-connectors
 "${PIP[@]}" --no-deps specforge==0.2.0 speculators==0.9.0
+# specforge's EAGLE3 loss module imports triton at module level (its kernel needs a GPU; on CPU
+# benchmarks/ttt_vs_specforge.py runs SpecForge's own reference loss in its place): the import must succeed.
+"${PIP[@]}" --no-deps -c "$PINS" triton
 
 # Fail now, not in the check, when the anchors or eaglet's models cannot be imported from this environment.
 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$DIR/bin/python" -W ignore - <<'EOF'
 import torch, transformers
 import specforge.algorithms.common.dflash_family_model  # noqa: F401
 import speculators.models.peagle.core  # noqa: F401
+import specforge.algorithms.eagle3.model  # noqa: F401  (benchmarks/ttt_vs_specforge.py)
 import models.dflash_objective, models.ttt  # noqa: F401  (eaglet, from the repository)
 from importlib.metadata import version
 print(f"anchor env ready: torch {torch.__version__}, transformers {transformers.__version__}, "

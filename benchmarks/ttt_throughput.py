@@ -4,13 +4,15 @@
         [--ttt-length 7] [--device cpu|cuda] [--compile]
 
 One step = teacher from the target's final hidden states (full-vocab lm_head), `--ttt-length` unrolled draft steps,
-backward, AdamW update, on a sequence whose first 37% is prompt (unsupervised), as in the embedded run. The baseline,
-measured in the same run on the same shapes, is the straightforward form in fp32: the whole fp32 teacher, a dense
-[T, (k+1)T] masked score matrix at every step k (the approach of SpecForge's trainer) and every metric. eaglet runs
-as its trainer does: the fused attention, the teacher in the compute dtype and only at the rows the loss reads
-(tasks/features/batches.collate), loss and accuracy only, in fp32 and in
-the precision `training.precision: auto` picks on this host; with `--compile` also that precision with the step's
-dense parts compiled (models/ttt_compile.py; its warm-up steps, compilation included, are timed and printed apart).
+backward, gradient clipping, AdamW update, on a sequence whose first 37% is prompt (unsupervised), as in the
+embedded run. The baseline, measured in the same run on the same shapes, is the straightforward form in fp32: the
+whole fp32 teacher, a dense [T, (k+1)T] masked score matrix at every step k and every metric: how an EAGLE3
+trainer is first written. It is a proxy only: SpecForge 0.2's own step (whose sdpa backend scores the causal part
+with one matmul and each earlier step's diagonal apart) is timed by benchmarks/ttt_vs_specforge.py. eaglet runs as its trainer
+does: the fused attention, the teacher in the compute dtype and only at the rows the loss reads
+(tasks/features/batches.collate), loss and accuracy only, in fp32 and in the precision `training.precision: auto`
+picks on this host; with `--compile` also that precision with the step's dense parts compiled (models/ttt_compile.py;
+its warm-up steps, compilation included, are timed and printed apart).
 Rounds alternate the variants; the script prints the median rate of each and its ratio to the baseline per round
 (median [min-max]), beside the host's CPU flags or the GPU's name.
 """
@@ -36,6 +38,7 @@ from tasks.common.devices import autocast, compute_dtype
 from tasks.features.batches import collate
 from tasks.common.host_compute import host_compute
 
+MAX_GRAD_NORM = 0.5  # the trainer clips every step (training.max_grad_norm; SpecForge's default too)
 PROMPT_SHARE = 0.37  # unsupervised share of tokens in the embedded run's train features (1 - 8154/12936)
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192, vocab_size=49152,
@@ -76,6 +79,21 @@ class Contender:
     loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = step_loss
 
 
+def draft_vocabulary(vocab: int) -> torch.Tensor:
+    """t2d of a draft vocabulary made of the target's first `vocab` ids (which ids does not change the step's cost)."""
+    t2d = torch.zeros(SMOLLM2["vocab_size"], dtype=torch.bool)
+    t2d[:vocab] = True
+    return t2d
+
+
+def reference_draft(vocab: int) -> Eagle3Draft:
+    """The SmolLM2-shaped EAGLE3 draft every eaglet variant copies, with a random frozen embedding."""
+    reference = Eagle3Draft(Eagle3Config(draft_vocab_size=vocab, **SMOLLM2))
+    reference.attach_embedding(torch.randn(SMOLLM2["vocab_size"], SMOLLM2["hidden_size"]) * 0.02)
+    reference.set_vocab_mapping(torch.zeros(vocab, dtype=torch.int64), draft_vocabulary(vocab))
+    return reference
+
+
 def contender(variant: Variant, reference: Eagle3Draft, device: torch.device) -> Contender:
     draft = copy.deepcopy(reference).to(device)
     draft.attach_embedding(reference.embed_tokens.weight.to(device))
@@ -109,6 +127,7 @@ def step_seconds(entry: Contender, teacher: Teacher, length: int, steps: int, de
                 loss = ttt_forward(entry.draft, batch, steps=steps, expected_acceptance=variant.expected_acceptance,
                                    loss_fn=entry.loss_fn).loss
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(entry.draft.parameters(), MAX_GRAD_NORM)
             entry.optimizer.step()
             synchronise(device)
             timings.append(time.perf_counter() - started)
@@ -149,11 +168,8 @@ def main() -> None:
         variants.append(Variant(f"eaglet auto ({auto_name}) compiled", FUSED, auto, False, compiled=True))
     print(f"{describe(device)}; batch 1, L={args.ttt_length}, {args.rounds} alternating rounds")
     for vocab in args.draft_vocab:
-        reference = Eagle3Draft(Eagle3Config(draft_vocab_size=vocab, **SMOLLM2))
-        reference.attach_embedding(torch.randn(49152, 576) * 0.02)
-        t2d = torch.zeros(49152, dtype=torch.bool)
-        t2d[:vocab] = True
-        reference.set_vocab_mapping(torch.zeros(vocab, dtype=torch.int64), t2d)
+        reference = reference_draft(vocab)
+        t2d = reference.t2d
         contenders = [contender(variant, reference, device) for variant in variants]
         teachers = {variant.dtype: Teacher(lm_head, t2d.to(device), variant.dtype) for variant in variants}
         for length in args.lengths:
