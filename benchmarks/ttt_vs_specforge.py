@@ -14,11 +14,12 @@ with the embedding frozen, `OnlineEagle3Model` around it, the frozen `TargetHead
 over the stored final states, `Eagle3TrainStrategy.forward_loss` (ploss decay 0.8), `loss.backward()`, and its
 `BF16Optimizer` (AdamW on fp32 master copies, clipping at 0.5, warm-up/cosine schedule). Each `--specforge` entry
 is `dtype:attention_backend[:compact]`: the dtype its config's `torch_dtype` casts the draft and head to (fp32 is
-the issue's baseline; bf16 is SpecForge's default), its attention backend (`sdpa`: its default, `flex_attention`,
-has no backward on a CPU in torch 2.13) and, with `compact`, its chunked teacher (`training.compact_teacher`).
-One substitution, because nothing else runs on a CPU: SpecForge's EAGLE3 loss (`LogSoftmaxLoss`) is a Triton kernel
-that needs a GPU, so its own reference implementation of the same loss (`specforge.core.loss._compute_loss`, which
-it compiles with torch.compile) is called in its place (`use_specforge_reference_loss`).
+the issue's baseline; bf16 is SpecForge's default), its attention backend (`sdpa`; SpecForge's default,
+`flex_attention`, has no backward on a CPU in torch 2.13) and, with `compact`, its chunked teacher
+(`training.compact_teacher`). One part is substituted, because the shipped one cannot run on a CPU: SpecForge's EAGLE3
+loss (`LogSoftmaxLoss`) is a Triton kernel that needs a GPU, so its own reference implementation of the same loss
+(`specforge.core.loss._compute_loss`, which it compiles with torch.compile) is called in its place
+(`use_specforge_reference_loss`).
 
 eaglet's step is benchmarks/ttt_throughput.py's (the trainer's collate, teacher, fused TTT attention, clipping and
 AdamW), in fp32 and in the precision `training.precision: auto` picks on this host; the dense fp32 proxy runs too,
