@@ -8,8 +8,8 @@ backward, gradient clipping, AdamW update, on a sequence whose first 37% is prom
 embedded run. The baseline, measured in the same run on the same shapes, is the straightforward form in fp32: the
 whole fp32 teacher, a dense [T, (k+1)T] masked score matrix at every step k and every metric: how an EAGLE3
 trainer is first written. It is a proxy only: SpecForge 0.2's own step (whose sdpa backend scores the causal part
-with one matmul and each earlier step's diagonal apart) is timed by benchmarks/ttt_vs_specforge.py. eaglet runs as its trainer
-does: the fused attention, the teacher in the compute dtype and only at the rows the loss reads
+with one matmul and each earlier step's diagonal apart) is timed by benchmarks/ttt_vs_specforge.py. eaglet runs as
+its trainer does: the fused attention, the teacher in the compute dtype and only at the rows the loss reads
 (tasks/features/batches.collate), loss and accuracy only, in fp32 and in the precision `training.precision: auto`
 picks on this host; with `--compile` also that precision with the step's dense parts compiled (models/ttt_compile.py;
 its warm-up steps, compilation included, are timed and printed apart).

@@ -55,15 +55,14 @@ if str(REPO) not in sys.path:  # eaglet is not installed in the anchor environme
     sys.path.insert(0, str(REPO))
 
 from rounds import median_and_range  # noqa: E402
-from ttt_throughput import (FUSED, PROMPT_SHARE, SMOLLM2, Variant, contender, dense_attend, describe,  # noqa: E402
-                            draft_vocabulary, reference_draft, step_seconds)
+from ttt_throughput import (FUSED, MAX_GRAD_NORM, PROMPT_SHARE, SMOLLM2, Variant, contender,  # noqa: E402
+                            dense_attend, describe, draft_vocabulary, reference_draft, step_seconds)
 
 from models.teacher import Teacher  # noqa: E402
 from tasks.common.devices import compute_dtype  # noqa: E402
 
 CPU = torch.device("cpu")
 PLOSS_DECAY = 0.8  # SpecForge's Eagle3TrainStrategy default
-MAX_GRAD_NORM = 0.5  # SpecForge's training.max_grad_norm default
 LEARNING_RATE = 1e-4  # SpecForge's training.learning_rate default
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -111,11 +110,24 @@ def use_specforge_reference_loss() -> None:
     eagle3_model.LogSoftmaxLoss = ReferenceLoss
 
 
+def llama_fields() -> dict:
+    """SMOLLM2's fields that a transformers LlamaConfig takes (the aux layer ids are eaglet's own)."""
+    return {key: value for key, value in SMOLLM2.items() if key != "aux_layer_ids"}
+
+
+def write_target_config(directory: Path) -> None:
+    """The SmolLM2-shaped target's config.json, which SpecForge's TargetHead reads (its lm_head is copied in)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(**llama_fields(), num_hidden_layers=30).save_pretrained(directory)
+
+
 class SpecForgeTrainer:
-    """SpecForge's offline EAGLE3 training step for one setup: strategy forward, backward, its optimizer."""
+    """SpecForge's offline EAGLE3 training step for one setup: strategy forward, backward, its optimizer.
+    `target_dir` holds the target's config.json (write_target_config)."""
 
     def __init__(self, setup: SpecForgeSetup, draft_vocab: int, ttt_length: int, lm_head: torch.Tensor,
-                 config_dir: Path) -> None:
+                 target_dir: Path) -> None:
         from transformers import LlamaConfig
 
         from specforge.algorithms.eagle3.model import OnlineEagle3Model
@@ -125,8 +137,7 @@ class SpecForgeTrainer:
         from specforge.training.strategies.base import Eagle3TrainStrategy
 
         self.setup = setup
-        fields = {key: value for key, value in SMOLLM2.items() if key != "aux_layer_ids"}
-        config = LlamaConfig(**fields, num_hidden_layers=1, draft_vocab_size=draft_vocab,
+        config = LlamaConfig(**llama_fields(), num_hidden_layers=1, draft_vocab_size=draft_vocab,
                              architectures=["LlamaForCausalLMEagle3"])
         draft = AutoDraftModel.from_config(config, attention_backend=setup.attention_backend, torch_dtype=setup.dtype)
         draft.t2d.copy_(draft_vocabulary(draft_vocab))
@@ -134,8 +145,7 @@ class SpecForgeTrainer:
         draft.freeze_embedding()
         model = OnlineEagle3Model(draft_model=draft, length=ttt_length,
                                   attention_backend=setup.attention_backend).to(dtype=setup.dtype)
-        LlamaConfig(**fields, num_hidden_layers=30).save_pretrained(config_dir)  # TargetHead reads the target's config
-        head = TargetHead(str(config_dir))
+        head = TargetHead(str(target_dir))
         with torch.no_grad():
             head.fc.weight.copy_(lm_head)
         head.freeze_weights()
@@ -205,10 +215,11 @@ def eaglet_runners(draft_vocab: int, length: int, ttt_length: int, lm_head: torc
 
 
 def specforge_runners(setups: list[SpecForgeSetup], draft_vocab: int, length: int, ttt_length: int,
-                      lm_head: torch.Tensor, config_dir: Path) -> list[Runner]:
+                      lm_head: torch.Tensor, target_dir: Path) -> list[Runner]:
+    write_target_config(target_dir)
     runners = []
     for setup in setups:
-        trainer = SpecForgeTrainer(setup, draft_vocab, ttt_length, lm_head, config_dir)
+        trainer = SpecForgeTrainer(setup, draft_vocab, ttt_length, lm_head, target_dir)
         runners.append(Runner(setup.name, lambda trainer=trainer: trainer.step_seconds(length),
                               specforge=True, fp32=setup.dtype == torch.float32))
     return runners
@@ -230,21 +241,21 @@ def main() -> None:
     lm_head = torch.randn(SMOLLM2["vocab_size"], SMOLLM2["hidden_size"]) * 0.02
     print(f"{describe(CPU)}; specforge {version('specforge')}; "
           f"batch 1, T={args.length}, Vd={args.draft_vocab}, TTT {args.ttt_length}, {args.rounds} alternating rounds")
-    with tempfile.TemporaryDirectory() as config_dir:
+    with tempfile.TemporaryDirectory() as target_dir:
         runners = specforge_runners(args.specforge, args.draft_vocab, args.length, args.ttt_length, lm_head,
-                                    Path(config_dir))
+                                    Path(target_dir))
         runners += eaglet_runners(args.draft_vocab, args.length, args.ttt_length, lm_head)
         for runner in runners:
             started = time.perf_counter()
             runner.seconds()
-            print(f"{runner.name:>42}: warm-up of 2 steps (compilation included) {time.perf_counter() - started:.1f} s",
-                  flush=True)
+            seconds = time.perf_counter() - started
+            print(f"{runner.name:>42}: warm-up of 2 steps (compilation included) {seconds:.1f} s", flush=True)
         rates: dict[str, list[float]] = {runner.name: [] for runner in runners}
         for round_index in range(args.rounds):
             for runner in runners:
                 rates[runner.name].append(args.length / runner.seconds())
-            print(f"round {round_index + 1}: " + ", ".join(f"{name} {values[-1]:.0f}" for name, values in rates.items()),
-                  flush=True)
+            latest = ", ".join(f"{name} {values[-1]:.0f}" for name, values in rates.items())
+            print(f"round {round_index + 1}: {latest}", flush=True)
     print()
     for runner in runners:
         print(f"{runner.name:>42}: {median_and_range(rates[runner.name], 0)} tok/s")
