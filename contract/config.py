@@ -465,6 +465,10 @@ class EvaluationConfig(Section):
         "prompt by prompt) or engine (the benchmark stage replays them, as token ids, on vLLM drafting this chain "
         "and reads its per-position counters; the reference prompts stay offline: the agreement check's subset)")
     temperature: float = Field(default=0.0, ge=0.0)
+    expected_tokens_per_s: Optional[float] = Field(
+        default=None, gt=0.0, description="the target's greedy decode rate, one prompt at a time on the run's device, "
+        "for the time `eaglet config validate` estimates (flows/evaluation_plan.py); null: the rate this output "
+        "directory's last evaluate report measured, else no estimate")
 
     @field_validator("sets")
     @classmethod

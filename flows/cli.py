@@ -67,6 +67,7 @@ def config_validate(
 ) -> None:
     """Check a config, and it against this machine and its target; exit 2 naming every bad field."""
     cfg = load_or_exit(config, overrides)
+    print_evaluation_plan(cfg)
     if schema_only:
         console.print(f"[yellow]not checked (--schema-only)[/yellow]: {escape(HOST_CHECKS)}", highlight=False,
                       soft_wrap=True)
@@ -77,6 +78,14 @@ def config_validate(
     for unchecked in report.not_checked:
         console.print(f"[yellow]not checked yet[/yellow]: {escape(unchecked)}", highlight=False, soft_wrap=True)
     console.print(f"[green]ok[/green]: {config or '<defaults>'} is a valid run config (run_id {cfg.run_id})")
+
+
+def print_evaluation_plan(cfg: RunConfig) -> None:
+    """The evaluation's size and estimated time (flows/evaluation_plan.py), so an unbounded one is seen on paper."""
+    from flows.evaluation_plan import evaluation_plan
+
+    for line in evaluation_plan(cfg).lines():
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @config_app.command("sources")
