@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
+from urllib.parse import urlsplit
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationInfo, field_serializer,
                       field_validator, model_validator)
@@ -110,6 +111,22 @@ class DataConfig(Section):
         return self
 
 
+#: Host names of this machine in a URL: a server there competes with the engines the stages start for ports.
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+
+
+def local_port(url: str) -> Optional[int]:
+    """The port of `url` when it points at this host (the scheme's default when none is written), else None."""
+    parts = urlsplit(url)
+    if parts.hostname not in LOCAL_HOSTS:
+        return None
+    try:
+        explicit = parts.port
+    except ValueError:
+        return None
+    return explicit if explicit is not None else {"http": 80, "https": 443}.get(parts.scheme)
+
+
 class RegenerationConfig(Section):
     """How the target rewrites assistant turns.
 
@@ -134,6 +151,10 @@ class RegenerationConfig(Section):
         default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="the NAME of an environment variable holding the API key, read when the stage opens the server")
     headers: dict[str, str] = Field(default_factory=dict, description="extra headers on every request to the server")
+    served_model_name: Optional[str] = Field(
+        default=None, min_length=1, description="the model name the server at base_url serves (its "
+        "--served-model-name); the stage refuses a server whose GET /v1/models names another. null: model.id, or "
+        "model.path for a local target (what vLLM and SGLang serve by default)")
     engine: Optional[Literal["vllm", "sglang"]] = None
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -398,6 +419,10 @@ class TrainingConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = Field(
         default="auto", description="auto: bf16 autocast with fp32 master weights and an fp32 loss on GPU and on CPUs "
         "with bf16 matrix units (AMX or AVX512-BF16, read from the CPU's flags), fp32 on other CPUs")
+    collective_timeout_s: float = Field(
+        default=1800.0, gt=0.0, description="several ranks: how long a rank waits in one collective (all-reduce, "
+        "barrier) before the process group fails the run (init_process_group's timeout, NCCL's watchdog): the "
+        "longest rank-0-only step between two collectives (a checkpoint's write) must fit in it")
 
     @field_validator("resume_from", mode="before")
     @classmethod
@@ -462,9 +487,18 @@ class EvaluationConfig(Section):
                                 "with 95 % intervals (empty: the reference prompts alone)")
     sets_on: Literal["offline", "engine"] = Field(
         default="offline", description="who decodes the suites of `sets`: offline (the evaluate stage's chain decoder, "
-        "prompt by prompt) or engine (the benchmark stage replays them, as token ids, on vLLM drafting this chain "
-        "and reads its per-position counters; the reference prompts stay offline: the agreement check's subset)")
+        "prompt by prompt) or engine (the benchmark stage replays them, as token ids, on the first of "
+        "benchmark.engines drafting this chain: vLLM's per-position counters, or SGLang's verify rounds and tokens "
+        "per request; the reference prompts stay offline: the agreement check's subset)")
     temperature: float = Field(default=0.0, ge=0.0)
+    greedy_near_tie_margin: float = Field(
+        default=0.5, gt=0.0, description="greedy outputs computed in bfloat16/float16 (evaluate: model.dtype; "
+        "benchmark: the engines' --dtype) may diverge only at a near-tie: the target's top-2 logit gap at the first "
+        "differing token, computed in float32 on the shared prefix, below this. float32 outputs must be identical")
+    max_greedy_mismatch_rate: float = Field(
+        default=0.5, ge=0.0, le=1.0, description="16-bit greedy outputs: the most of those compared (prompts x "
+        "modes in evaluate; requests x levels x rounds x settings in benchmark) that may diverge, near-ties or not "
+        "(the longer the outputs, the more near-ties they pass: raise it for long max_new_tokens)")
     expected_tokens_per_s: Optional[float] = Field(
         default=None, gt=0.0, description="the target's greedy decode rate, one prompt at a time on the run's device, "
         "for the time `eaglet config validate` estimates (flows/evaluation_plan.py); null: the rate this output "
@@ -514,6 +548,10 @@ def parsed_config_entry(entry: str) -> tuple[int, int, int, int]:
     return batch, steps, topk, draft_tokens
 
 
+#: Engines that can replay evaluation.sets (`sets_on: engine`), counting each prompt's verify rounds.
+SUITE_REPLAY_ENGINES = ("vllm", "sglang")
+
+
 class BenchmarkConfig(Section):
     """The serving benchmark. `rounds` alternate without/with the drafter (a fresh engine each time), so that a
     shared machine's noise shows as the spread of the per-round speedups instead of being read as a result."""
@@ -530,9 +568,10 @@ class BenchmarkConfig(Section):
         "records) at every level, with and without every drafted setting, every round: speedup and engine acceptance "
         "per suite and setting (the sweep's `suites`)")
     suite_concurrency: int = Field(
-        default=1, ge=1, description="prompts in flight while the engine replays evaluation.sets (sets_on: engine): 1 "
-        "reads the counters around each prompt (intervals over prompts); N > 1 around each group of N prompts of one "
-        "category (intervals over groups: faster, coarser)")
+        default=1, ge=1, description="prompts in flight while the engine replays evaluation.sets (sets_on: engine). "
+        "vLLM: 1 reads the counters around each prompt (intervals over prompts); N > 1 around each group of N prompts "
+        "of one category (intervals over groups: faster, coarser). SGLang counts every prompt by its own reply: "
+        "intervals over prompts at any N")
     num_speculative_tokens: list[int] = Field(
         default_factory=list,
         description="chain lengths served with the drafter, each measured against the same baselines; the best "
@@ -569,6 +608,12 @@ class BenchmarkConfig(Section):
             raise ValueError(f"benchmark.num_speculative_tokens must be distinct and >= 1, got "
                              f"{self.num_speculative_tokens}")
         return self
+
+    @property
+    def suite_engine(self) -> Optional[str]:
+        """The engine that replays evaluation.sets (`sets_on: engine`): the first of `engines` that counts each
+        prompt's rounds (vLLM by its counters, SGLang by /generate's meta_info); None without one."""
+        return next((kind for kind in self.engines if kind in SUITE_REPLAY_ENGINES), None)
     num_requests: int = Field(default=16, ge=1)
     max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
@@ -724,6 +769,40 @@ class EngineConfig(Section):
         default_factory=dict, description="added to the engine's environment; every value is secret (tokens such as "
         "HF_TOKEN go here) and written as ***")
     startup_timeout_s: float = Field(default=600.0, gt=0.0)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="the engine's --dtype, always passed: the target's and the drafter's (neither "
+        "engine has a draft dtype of its own); auto: model.dtype, the dtype the drafter is exported in")
+    enforce_eager: Union[Literal["auto"], bool] = Field(
+        default="auto", description="true: no CUDA graphs (vLLM --enforce-eager, SGLang --disable-cuda-graph); auto: "
+        "eager where runtime.device resolves to the CPU, CUDA graphs on a GPU")
+    gpus: Optional[str] = Field(
+        default=None, description="CUDA_VISIBLE_DEVICES of the engine's process (e.g. '0' or '0,1': indices or "
+        "GPU UUIDs); null: the caller's environment decides")
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus_as_text(cls, value: Any) -> Any:
+        """`gpus: 0` or `gpus: [0, 1]` in YAML mean CUDA_VISIBLE_DEVICES=0 and 0,1."""
+        if isinstance(value, bool):
+            return value  # refused below: true/false names no device
+        if isinstance(value, int):
+            return str(value)
+        if isinstance(value, list):
+            return ",".join(str(item) for item in value)
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_are_a_device_list(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_:.-]+(,[A-Za-z0-9_:.-]+)*", value):
+            raise ValueError(f"gpus must be a comma-separated device list such as '0' or '0,1', got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_placement(self) -> "EngineConfig":
+        if self.gpus is not None and "CUDA_VISIBLE_DEVICES" in self.env:
+            raise ValueError("gpus and env.CUDA_VISIBLE_DEVICES both place the engine: keep gpus")
+        return self
 
 
 def default_engines() -> dict[str, EngineConfig]:
@@ -806,18 +885,35 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _suites_on_an_engine_need_one(self) -> "RunConfig":
-        """Suites served per suite need suites; suites measured on the engine need a benchmark engine that counts
-        acceptance per draft position."""
+        """Suites served per suite need suites; suites measured on the engine need a benchmark engine that can
+        replay them."""
         if self.benchmark.per_suite and not self.evaluation.sets:
             raise ValueError("benchmark.per_suite serves the suites of evaluation.sets, which is empty")
         if self.evaluation.sets_on != "engine":
             return self
         if not self.evaluation.sets:
             raise ValueError("evaluation.sets_on is engine but evaluation.sets is empty: name the suites to replay")
-        if "vllm" not in self.benchmark.engines:
-            raise ValueError("evaluation.sets_on: engine replays the suites on vLLM (its per-position acceptance "
-                             f"counters); benchmark.engines is {self.benchmark.engines}: add vllm or set sets_on: "
-                             "offline")
+        if self.benchmark.suite_engine is None:
+            raise ValueError(f"evaluation.sets_on: engine replays the suites on one of {list(SUITE_REPLAY_ENGINES)}; "
+                             f"benchmark.engines is {self.benchmark.engines}: add one or set sets_on: offline")
+        return self
+
+    @model_validator(mode="after")
+    def _regeneration_server_is_no_engine_port(self) -> "RunConfig":
+        """A regeneration server on this host must not listen where a stage starts an engine: the benchmark's
+        engine would find its port taken (or, started first, answer the regeneration requests itself)."""
+        settings = self.regeneration
+        if not settings.enabled or settings.backend != "openai":
+            return self
+        listed = isinstance(settings.base_url, list)
+        for position, url in enumerate(settings.endpoints):
+            port = local_port(url)
+            where = f"regeneration.base_url[{position}]" if listed else "regeneration.base_url"
+            for kind, engine in self.runtime.engines.items():
+                if port is not None and port == engine.port:
+                    raise ValueError(f"{where} points at port {port} on this host, the same as "
+                                     f"runtime.engines.{kind}.port, where the stages start the {kind} engine: serve "
+                                     "the regeneration server on a free port (or set another engine port)")
         return self
 
     @property

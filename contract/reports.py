@@ -10,7 +10,7 @@ plain JSON. The JSON shape is the one the stages always wrote: `as_json` leaves 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, TypeVar
+from typing import Any, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -40,6 +40,20 @@ class PromptAcceptance(Report):
     input_hash: Optional[str] = Field(
         default=None, description="sha256 of the prompt's token ids: two versions' rounds on a prompt are paired "
         "only when both read the same tokens (tasks/registry/comparison.py)")
+
+
+class PromptTokens(Report):
+    """One prompt replayed on an engine that reports, per request, its verify rounds and the tokens it emitted but
+    no acceptance per draft position (SGLang's /generate `meta_info`): τ is the tokens of its rounds (all it emitted
+    but the prefill's token) over its rounds."""
+
+    prompt: str
+    rounds: int = Field(ge=0, description="verify rounds (meta_info.spec_verify_ct)")
+    generated_tokens: int = Field(ge=0, description="tokens emitted, the prefill's token included "
+                                                    "(meta_info.completion_tokens)")
+    source: Optional[str] = Field(default=None, description="the eval set (suite) the prompt came from")
+    input_hash: Optional[str] = Field(default=None, description="sha256 of the prompt's token ids, as "
+                                      "PromptAcceptance's: what two versions' rows pair on")
 
 
 class Bucket(Report):
@@ -107,6 +121,10 @@ class AcceptanceReport(Report):
         "them included), with its buckets per source and category: set only when sets are configured")
     greedy_equivalence: str
     greedy_mismatches: list[dict[str, Any]]
+    greedy_rule: Optional[dict[str, Any]] = Field(
+        default=None, description="how the greedy outputs were judged (tasks/common/greedy_agreement.py): dtype, "
+        "exact (float32) or near-ties allowed, the tolerances, outputs compared and diverged; reports written "
+        "before it was recorded have none")
 
 
 # --- benchmark/report.json ------------------------------------------------------------------------------
@@ -201,31 +219,46 @@ class AgreementCheck(Report):
 
 class EngineSuites(Report):
     """The suites of evaluation.sets replayed on the engine drafting the evaluation's chain (`evaluation.sets_on:
-    engine`): τ from its per-position counters, per suite and category, with 95 % bootstrap intervals over units (a
-    prompt, or a group of `concurrency` prompts of one category replayed together)."""
+    engine`), per suite and category, with 95 % bootstrap intervals over units. vLLM: τ from its per-position
+    counters, a unit a prompt or a group of `concurrency` prompts of one category replayed together. SGLang: τ from
+    each request's verify rounds and tokens, every prompt its own unit; no acceptance by position (`per_position`
+    says why)."""
 
     engine: str
     steps: int
     max_new_tokens: int
     temperature: float
-    concurrency: int = Field(ge=1, description="prompts in flight: each unit's counters cover this many prompts")
+    concurrency: int = Field(ge=1, description="prompts in flight (vLLM: each unit's counters cover this many "
+                                               "prompts; SGLang: each prompt still counted alone)")
     unit: str = Field(description="what the intervals resample: prompts, or groups of prompts replayed together")
     prompts: int
     rounds: int = Field(ge=0, description="drafts the engine verified (one per verify round)")
     mean_accept_length: float
     mean_accept_length_interval: TauInterval
-    acceptance_by_position: list[float]
-    accepted_per_position: list[float]
+    acceptance_by_position: Optional[list[float]] = None  # None: the engine counts no acceptance per position
+    accepted_per_position: Optional[list[float]] = None
+    per_position: Optional[str] = Field(default=None, description="why acceptance by position is absent (SGLang)")
     buckets: dict[str, Bucket]
-    per_prompt: list[PromptAcceptance] = Field(description="one row per unit: a prompt, or a group named by its prompts")
+    per_prompt: Union[list[PromptAcceptance], list[PromptTokens]] = Field(
+        description="one row per unit: a prompt, or a group named by its prompts (PromptTokens: SGLang's prompts)")
     generated_tokens: int
     seconds: float
     tokens_per_second: float
 
 
-class EngineReport(Report):
-    """One engine: baseline, the recommended drafted setting, the sweep and every check."""
+class EngineExecution(Report):
+    """How every variant of the engine ran: runtime.engines.<engine> with `auto` resolved
+    (tasks/serving/engine_settings.py)."""
 
+    dtype: str = Field(description="--dtype: the target's and the drafter's (neither engine has a draft dtype flag)")
+    enforce_eager: bool = Field(description="no CUDA graphs (vLLM --enforce-eager, SGLang --disable-cuda-graph)")
+    gpus: Optional[str] = Field(description="the engine's CUDA_VISIBLE_DEVICES; None: the caller's environment")
+
+
+class EngineReport(Report):
+    """One engine: how it ran, baseline, the recommended drafted setting, the sweep and every check."""
+
+    execution: Optional[EngineExecution] = None  # reports written before it was recorded have none
     baseline: dict[str, Any]
     num_speculative_tokens: Optional[int]
     serving_setting: RecommendedSetting

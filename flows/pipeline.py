@@ -3,8 +3,9 @@
 Each stage's result (its summary and report paths as plain JSON, flows/stage_records.py) is persisted under
 `<output_dir>/.prefect-results` and cached on the stage's inputs (flows/stage_cache.py), so a rerun skips
 every stage whose inputs and outputs are unchanged (its task run ends in state "Cached") and DVC would agree
-it is up to date. Only failures a retry can cure are retried: an engine that did not start, an HTTP server
-that refused or did not answer (an engine whose python is missing is not). A failure stops the flow with an
+it is up to date. Only failures a retry can cure are retried: an engine alive but not ready within its start-up
+timeout, an HTTP server that failed or did not answer (an engine that exited at start-up, whose port is taken or
+whose python is missing is not: tasks/serving/engine.py). A failure stops the flow with an
 error naming the stage; what the stages before it wrote stays on disk. The flow holds
 `<output_dir>/.eaglet.lock` while it runs (tasks/common/run_lock.py), so a scheduled run that overlaps another
 run on the same output_dir fails at once naming the holder.
@@ -30,7 +31,7 @@ from flows.stage_records import JSON_SERIALIZER, StageFailed, StageRecord, recor
 from flows.stages import select_stages, stage_function
 from flows.tracking import joined_run, tracked_run
 from tasks.common.run_lock import output_dir_lock
-from tasks.serving.engine import EngineMissing, EngineStartError
+from tasks.serving.engine import EngineStartError
 from tasks.data.generation_openai import RETRYABLE_STATUS
 
 #: Attempts after the first, and the pause before each: time for a port or GPU memory to be released.
@@ -51,14 +52,15 @@ class StageInputs(CachePolicy):
 
 
 def is_transient(error: object) -> bool:
-    """An engine that did not start, or an HTTP failure other than a 4xx saying the request itself is wrong.
-    An engine whose python, model or draft is missing (EngineMissing) stays missing however often it is tried."""
-    if isinstance(error, EngineMissing):
-        return False
+    """An engine start a retry can cure (alive but not ready in time), or an HTTP failure other than a 4xx saying
+    the request itself is wrong. An engine that exited at start-up, whose port is taken or whose python, model or
+    draft is missing fails the same way however often it is started (EngineStartError.retry_can_cure)."""
+    if isinstance(error, EngineStartError):
+        return error.retry_can_cure
     if isinstance(error, httpx.HTTPStatusError):
         status = error.response.status_code
         return status >= 500 or status in RETRYABLE_STATUS
-    return isinstance(error, (EngineStartError, httpx.TransportError))
+    return isinstance(error, httpx.TransportError)
 
 
 def retry_transient_only(task: Any, task_run: TaskRun, state: State) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -72,8 +72,8 @@ def promote(
     """Make a version champion if its gates passed (or --force --reason); the old champion becomes previous."""
     from mlflow.exceptions import MlflowException
 
-    from tasks.registry.store import (CHAMPION, TAG_FAILED_GATES, TAG_GATES_PASSED, alias_version, promote_version,
-                                      registry_client)
+    from tasks.registry.promotion_lock import promotion_lock
+    from tasks.registry.store import registry_client
 
     console = make_console()
     if force and not (reason and reason.strip()):
@@ -87,6 +87,17 @@ def promote(
     except MlflowException:
         console.print(f"[red]no version {version} of '{escape(name)}'[/red] in {escape(client.tracking_uri)}")
         raise typer.Exit(code=2) from None
+    # The lock a registering run holds from reading the champion to moving it: a hand promotion does not land
+    # between a run's comparison and its alias move (tasks/registry/promotion_lock.py).
+    with promotion_lock(client.tracking_uri, name):
+        promote_unlocked(console, client, name, version, tags, force, reason)
+
+
+def promote_unlocked(console: Console, client: Any, name: str, version: int, tags: dict[str, str], force: bool,
+                     reason: Optional[str]) -> None:
+    """`eaglet promote`'s checks and alias move, under the registry's promotion lock."""
+    from tasks.registry.store import CHAMPION, TAG_FAILED_GATES, TAG_GATES_PASSED, alias_version, promote_version
+
     if alias_version(client, name, CHAMPION) == version:
         console.print(f"{escape(name)} v{version} is already champion")
         return

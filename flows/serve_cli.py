@@ -38,11 +38,11 @@ def serve_command(
                                         "champion)."),
     version: Optional[int] = typer.Option(None, "--version", help="Serve this version number instead of an alias."),
     engine: Engine = typer.Option(Engine.vllm, "--engine", help="The engine (runtime.engines.<engine>: python, port, "
-                                  "extra_args, env)."),
+                                  "extra_args, env, dtype, enforce_eager, gpus)."),
     port: Optional[int] = typer.Option(None, "--port", help="Listen on this port instead of runtime.engines.<engine>"
                                        ".port."),
-    print_only: bool = typer.Option(False, "--print", help="Print the engine's command line and the env it sets; "
-                                    "start nothing."),
+    print_only: bool = typer.Option(False, "--print", help="Print the engine's command line and the env it sets "
+                                    "(CUDA_VISIBLE_DEVICES from gpus); start nothing."),
     config: Optional[Path] = ConfigOption,
     overrides: Optional[list[str]] = OverridesArgument,
 ) -> None:

@@ -4,9 +4,10 @@ A stage's cache key hashes its inputs by content: the upstream artifacts its dvc
 (`${output_dir}` resolved from the run config, files and directories) and the code it runs, derived from its
 imports by tasks/common/stage_code.py (the same list `eaglet dvc sync` writes into dvc.yaml's deps); the config fields it
 declares in flows/stages.py `STAGE_READS` (values from the resolved RunConfig; dvc.yaml's `params` list the same
-names) and, for ingest, the files `data.sources` names. A cached result is only reused while the stage's outputs
-(`outs`, `metrics`, `plots`) are still the ones it wrote: `record_outputs` stamps them after each run and
-`outputs_unchanged` compares (a missing file fails it).
+names) and, for ingest, the files `data.sources` names; from outside the repository, the package versions of the
+engines the stage runs and the identity of the regeneration server (flows/outside_inputs.py). A cached result
+is only reused while the stage's outputs (`outs`, `metrics`, `plots`) are still the ones it wrote:
+`record_outputs` stamps them after each run and `outputs_unchanged` compares (a missing file fails it).
 
 Hashing reads every byte once; a memo keyed by (size, mtime, inode), like DVC's state database, keeps
 large unchanged files (target weights, feature shards) from being read again on every run.
@@ -27,6 +28,7 @@ import yaml
 from contract.config import RunConfig
 from contract.hashing import hash_file, hash_text
 from tasks.common.stage_code import stage_code_deps
+from flows.outside_inputs import outside_inputs
 from flows.stages import stage_reads
 from tasks.common.artifacts import read_json, write_json
 from tasks.data.sources import source_fingerprints
@@ -177,7 +179,8 @@ def data_deps(name: str) -> tuple[str, ...]:
 def stage_cache_key(name: str, cfg: RunConfig) -> str:
     """The hash of everything stage `name` reads: its upstream artifacts and its code (tasks/common/stage_code.py) by
     content, its declared config fields (flows/stages.py STAGE_READS, which dvc.yaml's params mirror) by value,
-    and for ingest the source files."""
+    for ingest the source files, and the versions of the engines it runs and the model the regeneration server
+    serves (flows/outside_inputs.py)."""
     reads = stage_reads(name)
     memo = open_memo(cfg)
     inputs: dict[str, Any] = {
@@ -187,6 +190,7 @@ def stage_cache_key(name: str, cfg: RunConfig) -> str:
     }
     if reads.source_files:
         inputs["source_files"] = source_fingerprints(cfg, memo.file_digest)
+    inputs.update(outside_inputs(name, cfg, results_dir(cfg)))
     memo.save()
     return hash_text(json.dumps(inputs, sort_keys=True))
 

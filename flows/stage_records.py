@@ -58,7 +58,12 @@ def recorded(function: Callable[[RunConfig], Any]) -> Callable[[RunConfig], dict
 
     @functools.wraps(function)
     def stage(cfg: RunConfig) -> dict[str, Any]:
-        result = function(cfg)
+        from tasks.common.devices import release_device_memory
+
+        try:
+            result = function(cfg)
+        finally:
+            release_device_memory()  # the next stage may start an engine on the same GPU
         values = {key: float(value) for key, value in result.summary().items()}
         return StageRecord(values, [str(path) for path in result.reports()]).as_json()
 

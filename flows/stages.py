@@ -51,7 +51,8 @@ STAGE_READS: dict[str, StageReads] = {
                             "model.trust_remote_code", "runtime.device", "runtime.seed")),
     "benchmark": StageReads(("model.chat_template_kwargs", "benchmark", "evaluation", "registry.agreement_alpha",
                              "registry.agreement_min_drafts", "registry.agreement_exact", "registry.speedup_concurrency", "runtime.engines",
-                             "validation.max_length", "model.trust_remote_code")),
+                             "validation.max_length", "model.trust_remote_code",
+                             "model.dtype", "runtime.device")),  # the engines' auto dtype and eager (engine_settings)
     "register": StageReads(("registry", "tracking", "evaluation", "validation.max_length", "run_id")),
 }
 

@@ -27,7 +27,9 @@ On SGLang `benchmark.sglang_trees` adds draft trees (steps, topk, num_draft_toke
 What the stage checks (a failure is written to the report first, then raised as BenchmarkFailed):
   - every request completed;
   - the drafter drafted: the engine's speculative counters moved;
-  - greedy outputs (temperature 0) are identical with and without the drafter, request for request;
+  - greedy outputs (temperature 0) are identical with and without the drafter, request for request, on float32
+    engines; on 16-bit ones they may differ only at a near-tie of the target (its float32 top-2 logit gap at the first
+    differing token) and at most `evaluation.max_greedy_mismatch_rate` of them (tasks/serving/greedy_divergence.py);
   - the engine drafts what the offline evaluation `evaluate/acceptance.json` measured, when that exists: its
     prompts (same token ids, budget and temperature) are replayed on the engine drafting the evaluation's chain (the
     first round's, or with `benchmark.replay_engine_env` one started after the rounds with that environment: the
@@ -45,7 +47,8 @@ accepted / drafts + 1, acceptance rate at position i = accepted_i / drafts. SGLa
 replay reads each request's own verify rounds from `/generate` instead.
 
 Writes
-  benchmark/report.json      settings, per engine and variant: startup time, peak RSS of the engine's
+  benchmark/report.json      settings, per engine how it executed (`execution`: dtype, enforce_eager, gpus), per
+                             engine and variant: startup time, peak RSS of the engine's
                              process tree, per level throughput and latency percentiles, every round,
                              acceptance over all rounds; speedup per level (median, min, max, per round),
                              greedy comparison, acceptance check, failures (contract/reports.py's
@@ -65,26 +68,30 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from contract.config import RunConfig
 from contract.records import PromptRecord
 from contract.reports import AcceptanceReport, BenchmarkReport, load_report
 from contract.secrets import unredacted_mapping
 from tasks.common.artifacts import read_json, save_figure, write_json, write_jsonl
+from tasks.common.greedy_agreement import GreedyRule, first_difference, near_tie_failures
 from tasks.common.suite_summary import interval_metrics, metric_name, plot_suites
 from tasks.serving.engine import EngineKind, EngineLaunch, RunningEngine, serve, serve_together
+from tasks.serving.engine_settings import engine_execution, run_launch
 from tasks.data.held_out import eval_prompts, select_records, set_prompts, turn_prefixes
 from tasks.serving.client import ChatRequest, RequestResult, Sampling, run_level, summarize_level
 from tasks.serving.agreement import (AGREEMENT_CHECKS, agreement_verdict, engine_counts, exact_differences,
                                      offline_counts, run_agreement)
 from tasks.serving.totals_agreement import engine_rounds, offline_rounds, replay_generate, totals_verdict
+from tasks.serving.generated_replies import GeneratedMemo
 from tasks.serving.spec_counters import acceptance, overall_acceptance, speculative_window
 from tasks.serving.serving_setting import (ServingSetting, engines_serving, export_method, serving_sweep,
                                           unserved_method)
 from tasks.serving.speedup_model import predicted_setting_speedup
-from tasks.serving.counted_completions import CountedMemo
-from tasks.serving.suite_replay import ReplayUnit, replay_suites, replay_units, suites_summary, units_label
+from tasks.serving.greedy_divergence import TextDivergences, engines_rule
+from tasks.serving.suite_replay import (ReplayMemo, ReplayUnit, replay_memo, replay_suites, replay_units,
+                                        suites_summary, unit_size)
 
 VARIANTS = ("baseline", "eagle3")
 #: One short request before measuring, so no level pays the engine's first-request costs.
@@ -148,7 +155,7 @@ def run(cfg: RunConfig) -> BenchmarkResult:
     sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens,
                         chat_template_kwargs=dict(cfg.model.chat_template_kwargs))
     agreement = AgreementRun(agreement_prompts(cfg), cfg.evaluation.max_new_tokens, cfg.evaluation.temperature, steps,
-                             suite_units(cfg))
+                             suite_units(cfg), settings.suite_engine, settings.suite_concurrency)
 
     engines: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
@@ -162,8 +169,8 @@ def run(cfg: RunConfig) -> BenchmarkResult:
             baselines, drafted = measure_per_round(cfg, kind, requests, sampling, sweep, in_rounds)
         if settings.replay_engine_env:
             replay_on_own_engine(cfg, kind, replay, drafted)
-        engines[kind] = engine_report(cfg, kind, baselines, drafted, steps)
-        measured_runs = baselines + [measured for runs in drafted.values() for measured in runs]
+        engines[kind] = engine_report(cfg, kind, baselines, drafted, steps, requests)
+        measured_runs = baselines + flattened(drafted)
         rows += [row for measured in measured_runs for row in request_rows(kind, measured)]
 
     report = {
@@ -272,14 +279,14 @@ def by_suite(requests: list[ChatRequest]) -> dict[str, list[ChatRequest]]:
 
 def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optional[Path], setting: ServingSetting,
                   round_number: int = 1) -> EngineLaunch:
-    """The engine from runtime.engines, on the run's target, logging to
-    benchmark/logs/<engine>-<variant>.log (`-round<N>` added from the second round on)."""
+    """The engine from runtime.engines (dtype, eager or CUDA graphs, GPUs: tasks/serving/engine_settings.py), on
+    the run's target, logging to benchmark/logs/<engine>-<variant>.log (`-round<N>` added from the second round on)."""
     suffix = f"-round{round_number}" if round_number > 1 else ""
     log_path = cfg.output_path / "benchmark" / "logs" / f"{kind}-{variant}{suffix}.log"
     log_path.unlink(missing_ok=True)  # start_engine appends; this run's log holds only this run
-    launch = EngineLaunch.from_config(kind, cfg.runtime.engines[kind], model=cfg.output_path / "target",
-                                      log_path=log_path, draft=draft, num_speculative_tokens=setting.steps,
-                                      topk=setting.topk, num_draft_tokens=setting.num_draft_tokens)
+    launch = run_launch(cfg, kind, model=cfg.output_path / "target", log_path=log_path, draft=draft,
+                        num_speculative_tokens=setting.steps, topk=setting.topk,
+                        num_draft_tokens=setting.num_draft_tokens)
     launch.startup_timeout_s = cfg.benchmark.startup_timeout_s
     return launch
 
@@ -287,13 +294,16 @@ def engine_launch(cfg: RunConfig, kind: EngineKind, variant: str, draft: Optiona
 @dataclass(frozen=True)
 class AgreementRun:
     """The offline evaluation's prompts, budget, temperature and chain length, replayed on the drafting engine; with
-    `evaluation.sets_on: engine` the suites' units too (tasks/serving/suite_replay.py)."""
+    `evaluation.sets_on: engine` the suites' units too (tasks/serving/suite_replay.py), on `suite_engine` with
+    `suite_concurrency` prompts in flight."""
 
     prompts: list[Any]
     max_tokens: int
     temperature: float
     steps: int
     suite_units: list[ReplayUnit] = field(default_factory=list)
+    suite_engine: Optional[str] = None
+    suite_concurrency: int = 1
 
     def on(self, setting: ServingSetting, round_number: int) -> Optional["AgreementRun"]:
         """Itself for the engine drafting the evaluation's chain in the first round; None for every other."""
@@ -307,7 +317,7 @@ class AgreementRun:
 
 def suite_units(cfg: RunConfig) -> list[ReplayUnit]:
     """With `evaluation.sets_on: engine`, the suites' prompts (rendered as evaluate renders them) in units of
-    `benchmark.suite_concurrency`; none otherwise."""
+    `benchmark.suite_concurrency` on vLLM, of one on SGLang (benchmark.suite_engine); none otherwise."""
     from tasks.common.target_info import load_tokenizer
 
     settings = cfg.evaluation
@@ -316,7 +326,7 @@ def suite_units(cfg: RunConfig) -> list[ReplayUnit]:
     out = cfg.output_path
     tokenizer = load_tokenizer(out / "target", cfg.model)
     prompts = set_prompts(out / "data" / "eval.jsonl", tokenizer, cfg.validation.max_length, settings.sets)
-    return replay_units(prompts, cfg.benchmark.suite_concurrency)
+    return replay_units(prompts, unit_size(cfg.benchmark.suite_engine, cfg.benchmark.suite_concurrency))
 
 
 def agreement_prompts(cfg: RunConfig) -> list[Any]:
@@ -425,10 +435,10 @@ def measure_levels(cfg: RunConfig, kind: EngineKind, engine: RunningEngine, vari
 def replay_on(engine: RunningEngine, kind: EngineKind, agreement: AgreementRun, measured: VariantRun) -> None:
     """The suites' replay and the agreement run on `engine`, kept on `measured` (the run of the engine drafting
     the evaluation's chain, first round)."""
-    memo = CountedMemo()
-    if agreement.suite_units and kind == "vllm":
+    memo = replay_memo(kind)
+    if agreement.suite_units and kind == agreement.suite_engine:
         replayed = replay_suites(engine, kind, agreement.suite_units, agreement.max_tokens, agreement.temperature,
-                                 memo)
+                                 memo, agreement.suite_concurrency)
         measured.suites = {**replayed, "units": agreement.suite_units}
     if agreement.prompts:
         measured.report["agreement"] = replay_agreement(engine, kind, agreement, memo)
@@ -453,12 +463,12 @@ def replay_on_own_engine(cfg: RunConfig, kind: EngineKind, agreement: AgreementR
 
 
 def replay_agreement(engine: RunningEngine, kind: EngineKind, agreement: AgreementRun,
-                     memo: CountedMemo) -> list[dict[str, Any]]:
-    """The evaluation's prompts on the engine, read the way its agreement check needs them; on vLLM the reference
-    prompts the suite replay already sent alone (the default's are a subset of its MT-bench suite) are read from
-    `memo`, not generated again."""
-    if AGREEMENT_CHECKS[kind] == "totals":
-        return replay_generate(engine.root_url, agreement.prompts, agreement.max_tokens, agreement.temperature)
+                     memo: ReplayMemo) -> list[dict[str, Any]]:
+    """The evaluation's prompts on the engine, read the way its agreement check needs them; the reference prompts the
+    suite replay already sent alone (the default's are a subset of its MT-bench suite) are read from `memo`
+    (suite_replay.replay_memo(kind)), not generated again."""
+    if isinstance(memo, GeneratedMemo):
+        return replay_generate(engine.root_url, agreement.prompts, agreement.max_tokens, agreement.temperature, memo)
     return run_agreement(engine, kind, agreement.prompts, agreement.max_tokens, agreement.temperature, memo)
 
 
@@ -535,22 +545,24 @@ def tree_rss_bytes(pid: int) -> int:
 
 
 def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafted: Drafted,
-                  steps: int) -> dict[str, Any]:
+                  steps: int, requests: Sequence[ChatRequest]) -> dict[str, Any]:
     """One engine: the baseline, every drafted setting against it, the recommended setting and every check.
     `eagle3` and `speedup` are those of the recommended setting (what the speedup gate judges); the engine's
-    acceptance is compared with the offline evaluation at its own chain length `steps`."""
+    acceptance is compared with the offline evaluation at its own chain length `steps`. Greedy texts that differ
+    are judged by the rule of the engines' --dtype (`requests`: what they answered; serving/greedy_divergence.py)."""
     failures = [failure for measured in baselines for failure in failed_requests(kind, measured)]
+    rule = engines_rule(cfg, [measured.report["command"] for measured in baselines + flattened(drafted)])
+    judge = None if rule.exact else TextDivergences(cfg, requests, rule)
     evaluation = offline_report(cfg)
     offline = evaluation.as_json() if evaluation is not None else None
     per_setting = {}
     for setting, runs in drafted.items():
         failures += [failure for measured in runs for failure in failed_requests(kind, measured)]
-        per_setting[setting] = setting_report(cfg, kind, baselines, runs, setting)
+        per_setting[setting] = setting_report(cfg, kind, baselines, runs, setting, judge)
         if per_setting[setting]["drafting_problem"]:
             failures.append(per_setting[setting]["drafting_problem"])
-    greedy = merged_greedy([entry["greedy"] for entry in per_setting.values()])
-    if greedy.get("mismatches"):
-        failures.append(mismatch_message(kind, greedy["mismatches"]))
+    greedy = judged_greedy(kind, merged_greedy([entry["greedy"] for entry in per_setting.values()]), rule)
+    failures += greedy.get("failures", [])
     offline_chain = ServingSetting(steps)
     if offline_chain in per_setting:
         contract = check_agreement(cfg, kind, drafted[offline_chain], steps)
@@ -564,6 +576,7 @@ def engine_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], drafte
     suites = engine_suites(cfg, kind, drafted.get(offline_chain, []), steps)
     flags = best.engine_flags(kind, export_method(cfg.output_path / "draft" / kind))
     return {
+        "execution": engine_execution(cfg, kind).as_report(),
         "baseline": combine_rounds(baselines),
         "num_speculative_tokens": best.steps if best.is_chain else None,
         "serving_setting": {**best.as_dict(), "label": best.label, "flags": flags},
@@ -592,13 +605,13 @@ def engine_suites(cfg: RunConfig, kind: str, runs: list[VariantRun], steps: int)
 
 
 def setting_report(cfg: RunConfig, kind: str, baselines: list[VariantRun], runs: list[VariantRun],
-                   setting: ServingSetting) -> dict[str, Any]:
+                   setting: ServingSetting, judge: Optional[TextDivergences] = None) -> dict[str, Any]:
     """One drafted setting over its rounds, against the baselines of the same rounds."""
     eagle3 = combine_rounds(runs)
     eagle3["num_speculative_tokens"] = setting.steps if setting.is_chain else None
     eagle3["serving_setting"] = setting.as_dict()
     eagle3["speculative"] = overall_acceptance(kind, [level for measured in runs for level in measured.report["levels"]])
-    greedy = compare_greedy_rounds(baselines, runs) if cfg.benchmark.temperature == 0 else {
+    greedy = compare_greedy_rounds(baselines, runs, judge) if cfg.benchmark.temperature == 0 else {
         "status": "skipped", "reason": "temperature > 0: outputs are sampled"}
     return {"eagle3": eagle3, "greedy": greedy, "drafting_problem": drafting_check(kind, eagle3["speculative"]),
             "speedup": speedups([measured.report["levels"] for measured in baselines],
@@ -698,20 +711,20 @@ def drafting_check(kind: str, speculative: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def first_difference(left: str, right: str) -> int:
-    for position, (a, b) in enumerate(zip(left, right)):
-        if a != b:
-            return position
-    return min(len(left), len(right))
+def flattened(drafted: Drafted) -> list[VariantRun]:
+    return [measured for runs in drafted.values() for measured in runs]
 
 
-def compare_greedy_rounds(baselines: list[VariantRun], eagle3s: list[VariantRun]) -> dict[str, Any]:
-    """Every round's pair compared; any mismatch in any round fails."""
-    return merged_greedy([compare_greedy(baseline, eagle3) for baseline, eagle3 in zip(baselines, eagle3s)])
+def compare_greedy_rounds(baselines: list[VariantRun], eagle3s: list[VariantRun],
+                          judge: Optional[TextDivergences] = None) -> dict[str, Any]:
+    """Every round's pair compared; any mismatch in any round counts."""
+    return merged_greedy([compare_greedy(baseline, eagle3, judge) for baseline, eagle3 in zip(baselines, eagle3s)])
 
 
-def compare_greedy(baseline: VariantRun, eagle3: VariantRun) -> dict[str, Any]:
-    """Request for request at every level: the text with the drafter must equal the text without it."""
+def compare_greedy(baseline: VariantRun, eagle3: VariantRun, judge: Optional[TextDivergences] = None) -> dict[str, Any]:
+    """Request for request at every level: the text with the drafter against the text without it. With a `judge`
+    (16-bit engines) each differing request also gets its first differing token, the target's gap there and
+    whether that is a near-tie."""
     mismatches = []
     compared = 0
     for concurrency, plain_results in baseline.results.items():
@@ -726,15 +739,39 @@ def compare_greedy(baseline: VariantRun, eagle3: VariantRun) -> dict[str, Any]:
                 "prompt_id": plain.prompt_id, "request": plain.index, "concurrency": concurrency,
                 "round": baseline.round, "variant": eagle3.variant, "first_difference": at, "baseline": plain.text[max(0, at - 20):at + SNIPPET_CHARS],
                 "eagle3": drafted.text[max(0, at - 20):at + SNIPPET_CHARS],
+                **(judge.judge(plain.index, plain.text, drafted.text) if judge is not None else {}),
             })
     return {"status": "failed" if mismatches else "ok", "compared": compared, "mismatches": mismatches}
+
+
+def judged_greedy(kind: str, greedy: dict[str, Any], rule: GreedyRule) -> dict[str, Any]:
+    """The merged comparison under `rule`: its summary, its `failures` and a status that says whether it passed
+    (a 16-bit comparison passes with near-tie divergences under the mismatch-rate threshold)."""
+    if greedy["status"] == "skipped":
+        return greedy
+    failures = greedy_failures(kind, greedy["mismatches"], greedy["compared"], rule)
+    return {**greedy, "status": "failed" if failures else "ok", "rule": rule.summary(greedy["mismatches"],
+            greedy["compared"]), "failures": failures}
+
+
+def greedy_failures(kind: str, mismatches: list[dict[str, Any]], compared: int, rule: GreedyRule) -> list[str]:
+    if not mismatches:
+        return []
+    if rule.exact:
+        return [mismatch_message(kind, mismatches)]
+    return [f"{kind}: {failure}" for failure in near_tie_failures(mismatches, compared, rule, describe_request)]
+
+
+def describe_request(row: dict[str, Any]) -> str:
+    return (f"{row['prompt_id']} (request {row['request']}, concurrency {row['concurrency']}, round {row['round']}, "
+            f"{row['variant']}, token {row['token_position']})")
 
 
 def mismatch_message(kind: str, mismatches: list[dict[str, Any]]) -> str:
     ids = sorted({mismatch["prompt_id"] for mismatch in mismatches})
     return (f"{kind}: greedy output with the drafter differs from the output without it for {len(mismatches)} "
             f"request(s), prompts {', '.join(ids)} (first differing character per request in the report); "
-            f"speculative decoding at temperature 0 must not change the output")
+            f"speculative decoding at temperature 0 on float32 engines must not change the output")
 
 
 def check_agreement(cfg: RunConfig, kind: str, runs: list[VariantRun], steps: int) -> dict[str, Any]:
@@ -833,7 +870,7 @@ def write_outputs(directory: Path, report: dict[str, Any], rows: list[dict[str, 
     write_jsonl(requests_path, rows)
     plot_path = plot_serving(report, directory / "serving.png")
     suite_plots = [plot_suites(engine["suites"], directory / f"acceptance_by_suite_{kind}.png", f"{kind} engine",
-                               units_label(engine["suites"]["concurrency"]))
+                               engine["suites"]["unit"])
                    for kind, engine in report["engines"].items() if "suites" in engine]
     write_json(report_path, report)
     return BenchmarkResult(report_path=report_path, requests_path=requests_path, plot_path=plot_path, report=report,

@@ -9,7 +9,8 @@ over) and each sends its next turn the moment its previous one returns, so the e
 instead of draining at the end of every round (a round waits for its longest answer). The local backend
 batches in-process, so it goes by chunks: turn k of every record of a chunk together, then turn k+1.
 Finished records are committed to a journal every `chunk_records`, so a killed run resumes without loss
-or duplicates.
+or duplicates; a server is first checked to serve the run's target, and a journal another server wrote is
+started over (tasks/data/served_model.py).
 
 A record whose first prompt is already over `validation.max_length` is not sent: validate would drop it whatever
 the target answers (tasks/data/length_gate.py); it ends `skipped`, its length in the reason.
@@ -134,14 +135,17 @@ def run(cfg: RunConfig) -> RegenerateResult:
     done = {key: entry for key, entry in journal.load().items() if entry.get("input") == input_hash(records_by_key.get(key))}
     todo = [(key, record) for key, record in records if key not in done]
     stats = {"completion_tokens": 0.0, "generation_seconds": 0.0, "records": 0.0, "records_over_max_length": 0.0}
-    if todo and cfg.regeneration.enabled:
-        over_length, todo = gate_over_length(cfg, todo)
-        journal.commit(over_length)
-        done.update((entry["key"], entry) for entry in over_length)
-        stats["records_over_max_length"] = float(len(over_length))
     if todo:
         with ExitStack() as stack:
-            generator = open_generator(cfg, stack) if cfg.regeneration.enabled else None
+            generator = open_generator(cfg, stack, target_info) if cfg.regeneration.enabled else None
+            if generator is not None:
+                if not journal_of_this_server(journal, generator, done):
+                    journal.start()
+                    done, todo = {}, list(records)
+                over_length, todo = gate_over_length(cfg, todo)
+                journal.commit(over_length)
+                done.update((entry["key"], entry) for entry in over_length)
+                stats["records_over_max_length"] = float(len(over_length))
             with progress_bar("regenerate", len(todo)) as bar:
 
                 def commit(entries: list[dict[str, Any]]) -> None:
@@ -155,6 +159,20 @@ def run(cfg: RunConfig) -> RegenerateResult:
                     for chunk in chunks(todo, cfg.regeneration.chunk_records):
                         commit(regenerate_chunk(chunk, generator, cfg, params, stats))
     return finish(cfg, records, done, stats, journal)
+
+
+def journal_of_this_server(journal: Journal, generator: Generator, done: dict[str, dict[str, Any]]) -> bool:
+    """Whether the journal's entries may be extended by `generator`: they were written by a server serving the same
+    model (tasks/data/served_model.py), or there are none. A server's identity is noted before its first entry, so
+    a journal another model's server wrote (behind the same URL, even under the same name) is started over."""
+    identity = getattr(generator, "identity", None)  # None: the local backend, which no server line names
+    if done and journal.server != identity:
+        print(f"[regenerate] the journal was written by another server ({journal.server}), not {identity}: "
+              "starting over", flush=True)
+        return False
+    if identity is not None and journal.server != identity:
+        journal.note_server(identity)
+    return True
 
 
 def read_prompts(path: Path) -> list[tuple[str, PromptRecord]]:
@@ -208,8 +226,9 @@ def input_hash(record: Optional[PromptRecord]) -> Optional[str]:
     return hashlib.sha256(record.model_dump_json().encode()).hexdigest()
 
 
-def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
-    """The configured backend; an engine started for the stage is stopped when `stack` closes."""
+def open_generator(cfg: RunConfig, stack: ExitStack, target_info: dict[str, Any]) -> Generator:
+    """The configured backend; an engine started for the stage is stopped when `stack` closes. A server must serve
+    the target (tasks/data/served_model.py)."""
     settings = cfg.regeneration
     target_dir = cfg.output_path / "target"
     if settings.backend == "local":
@@ -218,13 +237,18 @@ def open_generator(cfg: RunConfig, stack: ExitStack) -> Generator:
         return LocalGenerator(target_dir, settings, regeneration_dtype(cfg), cfg.model.chat_template_kwargs)
     from tasks.data.generation_openai import OpenAIGenerator
 
+    from tasks.data.served_model import expected_name
+
     if settings.base_url is not None:
-        return OpenAIGenerator(settings.endpoints, settings, template_kwargs=cfg.model.chat_template_kwargs)
+        return OpenAIGenerator(settings.endpoints, settings, template_kwargs=cfg.model.chat_template_kwargs,
+                               expected_model=expected_name(settings, target_info))
     from tasks.serving.engine import serve
 
     log_path = cfg.output_path / "logs" / f"regenerate-{settings.engine}.log"
-    return OpenAIGenerator(stack.enter_context(serve(regeneration_launch(cfg, log_path))).base_url, settings,
-                           template_kwargs=cfg.model.chat_template_kwargs)
+    launch = regeneration_launch(cfg, log_path)
+    engine = stack.enter_context(serve(launch))
+    return OpenAIGenerator(engine.base_url, settings, template_kwargs=cfg.model.chat_template_kwargs,
+                           expected_model=(launch.served_model_name, "the engine this stage started"))
 
 
 def regeneration_launch(cfg: RunConfig, log_path: Path):

@@ -14,12 +14,15 @@ folders, `contract.json` and the reports as its artifacts, `finalize_logged_mode
 `registry.model_name` with the full contract (docs/architecture.md §5) as version tags, plus the eval-set fingerprint,
 the git commit and the hash of dvc.lock's upstream stages. Aliases, never stages: every new version gets
 `candidate`; one whose gates pass (tasks/registry/gates.py) becomes `champion` and the champion it replaces
-keeps `previous`. Runs inside the pipeline's MLflow run when there is one, else in its own. With
+keeps `previous`; reading the champion, gating and moving the alias happen under the registry's promotion lock
+(tasks/registry/promotion_lock.py), so two runs registering at once cannot both replace one champion. Runs inside the
+pipeline's MLflow run when there is one, else in its own. With
 `tracking.enabled: false` (CI-size runs) there is no store: the gates are evaluated and reported, nothing
 is registered.
 
 Writes `register/registration.json` (version, aliases, each gate with its measured value and threshold, the gates
-that withheld `champion` and the ones waived, with the waivers' reasons).
+that withheld `champion` and the ones waived, with the waivers' reasons, and how the promotion was kept from racing
+another run's: `promotion_guard`, and `promotion_refused` when the champion moved after the comparison).
 
     .venv/bin/eaglet stage register --config params.yaml
     .venv/bin/eaglet registry show --config params.yaml
@@ -37,17 +40,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from contract.chat_rendering import is_supervised
 from contract.checkpoint import ENGINES, EXPORT_FILES, CheckpointContract, ContractMismatch
 from contract.config import RunConfig
 from contract.hashing import hash_text
+from contract.records import PromptRecord
 from contract.reports import AcceptanceReport, BenchmarkReport, load_report
 from tasks.common.artifacts import read_json, write_json
 from tasks.registry.doctor import inspect_checkpoint
 from tasks.registry.gates import (Gate, GateInputs, blocking_lines, evaluate_gates, gates_passed, offline_accept_length,
                                   speedup_row, waived_names, waivers_used)
+from tasks.registry.promotion_lock import promotion_lock
 from tasks.registry.store import (CANDIDATE, CHAMPION, TAG_ACCEPT_LENGTH, TAG_EVAL_FINGERPRINT, TAG_FAILED_GATES,
                                   TAG_GATES, TAG_GATES_PASSED, TAG_RECOMMENDED_SERVING, TAG_SPEEDUP, TAG_WAIVERS,
-                                  aliases_of, current_champion, promote_version)
+                                  Promotion, aliases_of, current_champion, promote_if_unchanged)
 
 ACCEPTANCE_REPORT = Path("evaluate") / "acceptance.json"
 SERVING_REPORT = Path("benchmark") / "report.json"
@@ -116,24 +122,31 @@ def run(cfg: RunConfig) -> RegisterResult:
 def register_and_gate(cfg: RunConfig, inputs: RegisterInputs, fingerprint: str, provenance: dict[str, str],
                       active: Any) -> dict[str, Any]:
     """Gate against the current champion, log and register the drafter as candidate, promote it if it passed;
-    returns what registration.json holds."""
+    returns what registration.json holds. From reading the champion to moving the alias the registry's promotion
+    lock is held (tasks/registry/promotion_lock.py), so a run registering at the same time waits and is then gated
+    against the champion this one leaves; where no lock is shared, the move is a compare-and-set."""
+    import mlflow
     from mlflow import MlflowClient
 
     client = MlflowClient()
     name = cfg.registry.model_name
-    champion = current_champion(client, name)
-    gates = evaluate_gates(GateInputs(inputs.acceptance, inputs.serving, inputs.data_contract,
-                                      inputs.contract.target_revision, fingerprint, champion), cfg.registry)
-    contract = registered_contract(cfg, inputs, gates, fingerprint)
-    model_id = log_drafter(client, inputs, contract, active)
-    tags = {**contract_tags(contract), **gate_tags(cfg, inputs, gates, fingerprint), **provenance}
-    version = register_version(name, model_id, tags)
-    client.set_registered_model_alias(name, CANDIDATE, str(version))
-    previous = promote_version(client, name, version) if gates_passed(gates) else None
+    with promotion_lock(mlflow.get_registry_uri(), name) as guard:
+        champion = current_champion(client, name)
+        gates = evaluate_gates(GateInputs(inputs.acceptance, inputs.serving, inputs.data_contract,
+                                          inputs.contract.target_revision, fingerprint, champion), cfg.registry)
+        contract = registered_contract(cfg, inputs, gates, fingerprint)
+        model_id = log_drafter(client, inputs, contract, active)
+        tags = {**contract_tags(contract), **gate_tags(cfg, inputs, gates, fingerprint), **provenance}
+        version = register_version(name, model_id, tags)
+        client.set_registered_model_alias(name, CANDIDATE, str(version))
+        promotion = Promotion(False)
+        if gates_passed(gates):
+            promotion = promote_if_unchanged(client, name, version, champion.version if champion else None)
     registered = {
         "model_name": name, "version": version, "model_uri": f"models:/{name}/{version}", "model_id": model_id,
         "mlflow_run_id": active.info.run_id, "aliases": aliases_of(client, name, version),
-        "champion_before": champion.version if champion else None, "previous_champion": previous,
+        "champion_before": champion.version if champion else None, "previous_champion": promotion.previous,
+        "promotion_guard": guard.describe(), "promotion_refused": promotion.refused,
     }
     return {**registered, **gate_record(cfg, inputs, gates, fingerprint, provenance)}
 
@@ -173,6 +186,8 @@ def say_gates(registration: dict[str, Any]) -> None:
         print(f"[register] {registration['model_name']} v{registration['version']}: aliases {aliases}", flush=True)
     for line in registration["failed_gates"]:
         print(f"[register] gate {line}", flush=True)
+    if registration.get("promotion_refused"):
+        print(f"[register] not promoted: {registration['promotion_refused']}", flush=True)
     if registration["waived_gates"]:
         reasons = "; ".join(f"{family}: {reason}" for family, reason in registration["waivers"].items())
         print(f"[register] waived: {', '.join(registration['waived_gates'])} ({reasons})", flush=True)
@@ -228,18 +243,36 @@ def refuse_broken_exports(inputs: RegisterInputs, out: Path) -> None:
 
 def eval_fingerprint(cfg: RunConfig, acceptance: AcceptanceReport) -> str:
     """Which prompts and decode settings the offline acceptance was measured on: versions compare only when
-    this (and the target revision) is equal."""
+    this (and the target revision) is equal. The prompts count by their prompt side (`prompt_side`), never by the
+    assistant text regenerate wrote: a GPU does not reproduce it, and two runs of one recipe must still compare."""
     from tasks.data.held_out import select_records
 
     settings = cfg.evaluation
     records = select_records(cfg.output_path / "data" / "eval.jsonl", settings.max_prompts, settings.sources)
-    prompts = [record.model_dump(mode="json", include={"id", "messages", "text"}) for record in records]
+    prompts = [prompt_side(record) for record in records]
     decoded = {"chain": acceptance.chain, "tree": acceptance.tree}
     modes = {name: mode.model_dump(include={"steps", "topk", "num_draft_tokens"})
              for name, mode in decoded.items() if mode is not None}
     measured = {"temperature": acceptance.temperature, "max_new_tokens": acceptance.max_new_tokens,
                 "max_length": cfg.validation.max_length, "modes": modes}
     return hash_text(json.dumps({"prompts": prompts, "settings": measured}, sort_keys=True))
+
+
+def prompt_side(record: PromptRecord) -> dict[str, Any]:
+    """What defines a held-out record as a prompt: its id and source, its system and user turns, and where its
+    assistant turns fall and which are supervised (each supervised one is a prompt). The assistant turns' text and
+    reasoning are the target's regenerated replies, so they are left out; a pre-templated record is not regenerated,
+    so its text counts whole."""
+    side: dict[str, Any] = {"id": record.id, "source": record.source}
+    if record.text is not None:
+        return {**side, "text": record.text}
+    turns = []
+    for message in record.messages:
+        if message.role == "assistant":
+            turns.append({"role": message.role, "supervised": is_supervised(message)})
+        else:
+            turns.append({"role": message.role, "content": message.content})
+    return {**side, "turns": turns}
 
 
 def provenance_tags(cfg: RunConfig, inputs: RegisterInputs, root: Path) -> dict[str, str]:

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from contract.checkpoint import ENGINES
@@ -65,7 +64,7 @@ from tasks.training.checkpoint import (TrainerState, load_checkpoint, math_field
 from tasks.training.previous_run import cut_step_log, replay_step_metrics, set_aside
 from tasks.training.batch_plan import Cursor, epoch_batches, optimizer_steps, rank_share
 from tasks.training.parallel import (Distributed, full_draft_weights, full_optimizer_state, gradient_sync,
-                                     load_full_state, parallelise, setup_distributed)
+                                     leave_process_group, load_full_state, parallelise, setup_distributed)
 from tasks.training.outputs import export, plot_accuracy, training_tracker
 from tasks.training.launch import launch_config_path, other_node_commands, torchrun_command
 from tasks.training.mask_token import resolve_mask_token_id
@@ -240,12 +239,11 @@ class Loop:
 
 
 def train(cfg: RunConfig) -> TrainResult:
-    env = setup_distributed(resolve_device(cfg.runtime.device))
+    env = setup_distributed(resolve_device(cfg.runtime.device), cfg.training.collective_timeout_s)
     try:
         return train_ranks(cfg, env)
     finally:
-        if env.world_size > 1:
-            dist.destroy_process_group()
+        leave_process_group(env)  # a run that failed before its end left nothing else to wait for
 
 
 def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
@@ -297,7 +295,11 @@ def train_ranks(cfg: RunConfig, env: Distributed) -> TrainResult:
             replay_step_metrics(tracker, kept_steps)
         before = evaluate(loop) if state.step == 0 else {}
         run_steps(loop, plans)
-        return finish(loop, before)
+        ending = end_of_training(loop, before)
+        leave_process_group(env)  # the last collective is behind: rank 0's slow I/O below holds no rank waiting
+        if not env.is_main:
+            return TrainResult(ending.summary_path, {})  # the summary is rank 0's to write
+        return publish(ending, tracker)
 
 
 def open_features(cfg: RunConfig) -> tuple[Any, Any, dict[str, Any]]:
@@ -515,49 +517,109 @@ def save(loop: Loop) -> None:
     env.barrier()
 
 
-def gathered_draft(loop: Loop) -> DraftModel:
-    """The whole draft as it is now, for rank 0 (under FSDP every rank must call this: it gathers)."""
+def gathered_draft(loop: Loop, every_rank: bool = False) -> DraftModel:
+    """The whole draft as it is now, for rank 0, or for each rank with `every_rank` (under FSDP every rank must
+    call this: it gathers)."""
     if loop.full_draft is not loop.draft:
-        weights = full_draft_weights(loop.module)
-        if loop.env.is_main:
+        weights = full_draft_weights(loop.module, every_rank)
+        if every_rank or loop.env.is_main:
             loop.full_draft.load_state_dict(weights)
     return loop.full_draft
 
 
 def evaluate(loop: Loop) -> dict[str, float]:
-    """Eval acceptance metrics of the draft being trained (computed by rank 0; every rank calls this)."""
+    """Eval acceptance metrics of the draft being trained: each rank evaluates its share of the eval records and
+    one all-reduce adds up their counts, so no rank waits in a collective while another evaluates everything
+    (every rank calls this and gets the metrics)."""
     if loop.eval_set is None:
         return {}
-    draft = gathered_draft(loop)
-    if not loop.env.is_main:
-        return {}
+    draft = gathered_draft(loop, every_rank=True)
     return evaluate_features(draft, loop.eval_set, loop.teacher.with_outside_mass(True), loop.cfg.training.ttt_length,
-                             loop.cfg.training.attention_backend, loop.eval_cache)
+                             loop.cfg.training.attention_backend, loop.eval_cache, loop.env)
+
+
+@dataclass
+class EvalTotals:
+    """Sums over evaluated records, per depth, and the number of records: the ranks add theirs up with one
+    all-reduce, so the metrics of the sum are one rank's over every record (an average of the ranks' averages
+    would weigh a rank's few supervised positions like another's many)."""
+
+    correct: list[float]
+    counts: list[float]
+    accepted: list[float]
+    ploss: list[float]
+    records: float = 0.0
+
+    @classmethod
+    def empty(cls, steps: int) -> "EvalTotals":
+        return cls([0.0] * steps, [0.0] * steps, [0.0] * steps, [0.0] * steps)
+
+    @classmethod
+    def from_flat(cls, values: list[float], steps: int) -> "EvalTotals":
+        """The inverse of flat()."""
+        parts = [list(values[start:start + steps]) for start in range(0, 4 * steps, steps)]
+        return cls(*parts, records=values[4 * steps])
+
+    def flat(self) -> list[float]:
+        return [*self.correct, *self.counts, *self.accepted, *self.ploss, self.records]
+
+    def add(self, output: TTTOutput) -> None:
+        """One record's draft objective."""
+        for step in range(len(self.counts)):
+            self.counts[step] += output.supervised[step]
+            self.correct[step] += output.acc[step] * output.supervised[step]
+            self.accepted[step] += output.expected_accept[step] * output.supervised[step]
+            self.ploss[step] += float(output.ploss[step])
+        self.records += 1
+
+    def metrics(self) -> dict[str, float]:
+        """acc_k and expected acceptance weighted by supervised positions, ploss_k per record, and the simulated
+        accept length of the chain."""
+        metrics: dict[str, float] = {}
+        steps = len(self.counts)
+        for step in range(steps):
+            count = self.counts[step]
+            metrics[f"acc_{step}"] = self.correct[step] / count if count else 0.0
+            metrics[f"expected_accept_{step}"] = self.accepted[step] / count if count else 0.0
+            metrics[f"ploss_{step}"] = self.ploss[step] / self.records if self.records else 0.0
+        metrics["simulated_accept_len"] = simulated_accept_length([metrics[f"acc_{step}"] for step in range(steps)])
+        return metrics
+
+
+EVAL_FETCH = 8  # eval records fetched at once (an online source computes each fetch as one pass of the target)
+
+
+def records_at(features: Any, positions: list[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(position, record) for each of `positions`, fetched EVAL_FETCH at a time."""
+    fetch = getattr(features, "records", None)
+    for start in range(0, len(positions), EVAL_FETCH):
+        chunk = positions[start:start + EVAL_FETCH]
+        records = fetch(chunk) if fetch is not None else [features[position] for position in chunk]
+        yield from zip(chunk, records)
+
+
+def eval_totals(draft: DraftModel, features: Any, teacher: Teacher, steps: int, positions: list[int],
+                attention_backend: str = "sdpa", cache: Optional[SettledCache] = None) -> EvalTotals:
+    """The sums over the records at `positions` (one rank's share of the eval records)."""
+    totals = EvalTotals.empty(steps)
+    with torch.no_grad(), autocast(teacher.device, teacher.dtype), evaluation_mode(draft):
+        for position, record in records_at(features, positions):
+            totals.add(draft_objective(draft, collate([record], teacher, keys=[position], cache=cache), steps,
+                                       attention_backend=attention_backend, evaluation=True))
+    return totals
 
 
 def evaluate_features(draft: DraftModel, features: Any, teacher: Teacher, steps: int,
-                      attention_backend: str = "sdpa", cache: Optional[SettledCache] = None) -> dict[str, float]:
+                      attention_backend: str = "sdpa", cache: Optional[SettledCache] = None,
+                      env: Optional[Distributed] = None) -> dict[str, float]:
     """acc_k, expected acceptance and ploss per depth over every record, weighted by supervised positions,
     and the simulated accept length of a chain of `steps` (in the teacher's compute dtype). `cache`: the
-    teacher's settled values of these records by position, kept from one evaluation to the next."""
-    correct, counts, accepted = [0.0] * steps, [0.0] * steps, [0.0] * steps
-    ploss = [0.0] * steps
-    with torch.no_grad(), autocast(teacher.device, teacher.dtype), evaluation_mode(draft):
-        for position, record in enumerate(features):
-            output = draft_objective(draft, collate([record], teacher, keys=[position], cache=cache), steps,
-                                     attention_backend=attention_backend, evaluation=True)
-            for step in range(steps):
-                counts[step] += output.supervised[step]
-                correct[step] += output.acc[step] * output.supervised[step]
-                accepted[step] += output.expected_accept[step] * output.supervised[step]
-                ploss[step] += float(output.ploss[step])
-    metrics: dict[str, float] = {}
-    for step in range(steps):
-        metrics[f"acc_{step}"] = correct[step] / counts[step] if counts[step] else 0.0
-        metrics[f"expected_accept_{step}"] = accepted[step] / counts[step] if counts[step] else 0.0
-        metrics[f"ploss_{step}"] = ploss[step] / len(features)
-    metrics["simulated_accept_len"] = simulated_accept_length([metrics[f"acc_{step}"] for step in range(steps)])
-    return metrics
+    teacher's settled values of these records by position, kept from one evaluation to the next. `env`: the
+    ranks; each evaluates its share and every rank returns the metrics of them all (a collective)."""
+    env = env or Distributed()
+    positions = rank_share(list(range(len(features))), env.rank, env.world_size)
+    totals = eval_totals(draft, features, teacher, steps, positions, attention_backend, cache)
+    return EvalTotals.from_flat(env.all_sum(totals.flat()), steps).metrics()
 
 
 @contextmanager
@@ -571,37 +633,66 @@ def evaluation_mode(draft: DraftModel) -> Iterator[None]:
         draft.train(was_training)
 
 
-def finish(loop: Loop, before: dict[str, float]) -> TrainResult:
-    """Export the draft for each engine, plot accuracy by depth, write the summary (rank 0)."""
-    cfg, env, state = loop.cfg, loop.env, loop.state
-    summary_path = cfg.output_path / "train" / "summary.json"
-    complete = state.step >= loop.total_steps
+@dataclass
+class Ending:
+    """What rank 0 publishes at the end of a run, once the process group is left: publish() waits for no other
+    rank, so rank 0's slow I/O (the exports, MLflow's uploads) never holds a rank in a collective."""
+
+    cfg: RunConfig
+    draft: DraftModel               # the whole draft (gathered under FSDP when the run is complete)
+    state: TrainerState
+    total_steps: int
+    world_size: int
+    manifest: dict[str, Any]
+    precision: str
+    history: list[dict[str, float]]
+    before: dict[str, float]        # the untrained draft's eval metrics (empty for a resumed run)
+
+    @property
+    def complete(self) -> bool:
+        return self.state.step >= self.total_steps
+
+    @property
+    def summary_path(self) -> Path:
+        return self.cfg.output_path / "train" / "summary.json"
+
+
+def end_of_training(loop: Loop, before: dict[str, float]) -> Ending:
+    """The run's last collective (under FSDP, a complete run's whole draft gathered to rank 0) and what rank 0
+    publishes after it (every rank calls this)."""
+    complete = loop.state.step >= loop.total_steps
     draft = gathered_draft(loop) if complete else loop.full_draft
-    if env.is_main:
-        if complete:
-            export(cfg, draft, loop.manifest, state.step, env.world_size, state.eval_metrics,
-                   loop.math["training.precision"])
-        plot = plot_accuracy(state.eval_metrics, before, cfg.output_path / "train" / "accuracy_by_depth.png")
-        summary = {"steps": state.step, "total_steps": loop.total_steps, "complete": complete, "world_size": env.world_size,
-                   "strategy": cfg.deployment.trainer.strategy, "mode": cfg.training.mode,
-                   "precision": loop.math["training.precision"], "host": host_compute().as_record(),
-                   **{f"eval_{key}": value for key, value in state.eval_metrics.items()},
-                   **{f"untrained_{key}": value for key, value in before.items() if key == "simulated_accept_len"}}
-        if loop.history:
-            summary["tokens_per_second"] = sum(h["tokens_per_second"] for h in loop.history) / len(loop.history)
-            summary["data_wait_share"] = sum(h["data_wait_share"] for h in loop.history) / len(loop.history)
-            summary.update(supervised_share(loop.history))
-        write_json(summary_path, summary)
-        if loop.tracker is not None:
-            loop.tracker.set_tags({"eaglet.precision": loop.math["training.precision"],
-                                   "eaglet.cpu_flags": " ".join(host_compute().flags)})
-            if plot is not None:
-                loop.tracker.log_artifact(str(plot), "train")
-            for engine in ENGINES:
-                if (cfg.output_path / "draft" / engine).is_dir():
-                    loop.tracker.log_artifacts(str(cfg.output_path / "draft" / engine), f"draft/{engine}")
-    env.barrier()
-    return TrainResult(summary_path, read_json(summary_path))
+    return Ending(loop.cfg, draft, loop.state, loop.total_steps, loop.env.world_size, loop.manifest,
+                  loop.math["training.precision"], loop.history, before)
+
+
+def publish(ending: Ending, tracker: Any = None) -> TrainResult:
+    """Rank 0, after the last collective: export the draft for each engine, plot accuracy by depth, write the
+    summary, and log the plot and the exports to the MLflow run `tracker` (None: tracking is off)."""
+    cfg, state = ending.cfg, ending.state
+    train_dir = cfg.output_path / "train"
+    if ending.complete:
+        export(cfg, ending.draft, ending.manifest, state.step, ending.world_size, state.eval_metrics, ending.precision)
+    plot = plot_accuracy(state.eval_metrics, ending.before, train_dir / "accuracy_by_depth.png")
+    summary = {"steps": state.step, "total_steps": ending.total_steps, "complete": ending.complete,
+               "world_size": ending.world_size, "strategy": cfg.deployment.trainer.strategy, "mode": cfg.training.mode,
+               "precision": ending.precision, "host": host_compute().as_record(),
+               **{f"eval_{key}": value for key, value in state.eval_metrics.items()},
+               **{f"untrained_{key}": value for key, value in ending.before.items() if key == "simulated_accept_len"}}
+    history = ending.history
+    if history:
+        summary["tokens_per_second"] = sum(entry["tokens_per_second"] for entry in history) / len(history)
+        summary["data_wait_share"] = sum(entry["data_wait_share"] for entry in history) / len(history)
+        summary.update(supervised_share(history))
+    write_json(ending.summary_path, summary)
+    if tracker is not None:
+        tracker.set_tags({"eaglet.precision": ending.precision, "eaglet.cpu_flags": " ".join(host_compute().flags)})
+        if plot is not None:
+            tracker.log_artifact(str(plot), "train")
+        for engine in ENGINES:
+            if (cfg.output_path / "draft" / engine).is_dir():
+                tracker.log_artifacts(str(cfg.output_path / "draft" / engine), f"draft/{engine}")
+    return TrainResult(ending.summary_path, read_json(ending.summary_path))
 
 
 def main() -> None:

@@ -1,6 +1,10 @@
 """A small OpenAI-compatible chat server over a real HF model, for exercising the openai backend in tests.
 
     python tests/openai_server.py --model DIR --port P [--fail-first N --fail-status 429] [--scripted FILE]
+                                  [--served-model-name NAME]
+
+Like vLLM and SGLang, `/v1/models` names the model `--served-model-name`, else the `--model` argument, and gives
+that argument as the card's `root`.
 
 It generates greedily with transformers (the same model the local backend runs). Failure injection answers
 the first N chat requests with `--fail-status`; `--scripted` maps a user prompt to a fixed reply
@@ -47,7 +51,8 @@ class ChatModel:
         return {"content": text, "finish_reason": "stop" if stopped else "length", "tokens": len(kept) + stopped}
 
 
-def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: dict[str, dict[str, str]]):
+def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: dict[str, dict[str, str]],
+                 card: dict[str, Any]):
     state: dict[str, Any] = {"chat_requests": 0, "arrivals": [], "request_headers": [], "in_flight": 0,
                              "max_in_flight": 0, "chat_template_kwargs": []}
     lock = threading.Lock()
@@ -73,7 +78,7 @@ def make_handler(model: ChatModel, fail_first: int, fail_status: int, scripted: 
             if self.path != "/stats":
                 self.note_headers()
             if self.path == "/v1/models":
-                self.send_json(200, {"object": "list", "data": [{"id": "test-target", "object": "model"}]})
+                self.send_json(200, {"object": "list", "data": [card]})
             elif self.path == "/stats":
                 self.send_json(200, state)
             else:
@@ -141,9 +146,11 @@ def main() -> None:
     parser.add_argument("--fail-first", type=int, default=0)
     parser.add_argument("--fail-status", type=int, default=429)
     parser.add_argument("--scripted", default=None)
+    parser.add_argument("--served-model-name", default=None)
     args = parser.parse_args()
     scripted = json.loads(open(args.scripted, encoding="utf-8").read()) if args.scripted else {}
-    handler = make_handler(ChatModel(args.model), args.fail_first, args.fail_status, scripted)
+    card = {"id": args.served_model_name or args.model, "object": "model", "root": args.model}
+    handler = make_handler(ChatModel(args.model), args.fail_first, args.fail_status, scripted, card)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), handler)
     print(f"serving on 127.0.0.1:{args.port}", flush=True)
     server.serve_forever()

@@ -468,9 +468,10 @@ def test_an_engine_that_does_not_serve_the_method_is_refused_before_it_starts(tm
 
 def canned_variant(cfg: RunConfig, kind: str, variant: str, requests: list[ChatRequest], sampling: Sampling,
                    draft: Path | None, steps: int, round_number: int = 1, agreement=None) -> benchmark.VariantRun:
-    """What measure_variant returns, without an engine: the drafter changes the text of prompt s:2."""
-    run = benchmark.VariantRun(variant=variant, round=round_number,
-                               report={"command": [], "log": "", "startup_s": 1.0, "peak_rss_mib": 100.0, "levels": []})
+    """What measure_variant returns, without an engine serving float32 (the exact greedy check): the drafter changes
+    the text of prompt s:2."""
+    run = benchmark.VariantRun(variant=variant, round=round_number, report={
+        "command": ["--dtype", "float32"], "log": "", "startup_s": 1.0, "peak_rss_mib": 100.0, "levels": []})
     for concurrency in cfg.benchmark.concurrency:
         results = []
         for chat in requests:
@@ -658,7 +659,9 @@ def test_vllm_serves_the_drafter_faithfully_and_the_report_says_so(drafted_run: 
     assert speculative["window"]["draft_tokens"] == 3 * speculative["window"]["drafts"]
     assert len(speculative["acceptance_rate_per_position"]) == 3
     assert speculative["mean_accept_length"] > 1.5, "drafts from the trained layers are accepted"
-    assert vllm["greedy"] == {"status": "ok", "compared": 8, "mismatches": []}
+    assert {key: vllm["greedy"][key] for key in ("status", "compared", "mismatches")} == {
+        "status": "ok", "compared": 8, "mismatches": []}
+    assert vllm["greedy"]["rule"]["exact"] and vllm["greedy"]["rule"]["dtype"] == "float32"
     assert [row["concurrency"] for row in vllm["speedup"]] == [1, 2]
     check = vllm["acceptance_check"]
     assert check["status"] == "ok", "aux layers as trained: vLLM reads the export's ids as (layer + 1)"

@@ -106,9 +106,6 @@ def test_semantic_rules(tmp_path: Path) -> None:
     assert "exactly one of 'path' or 'asset'" in rejection(tmp_path, "data:\n  sources:\n    - name: a\n")
     duplicate = "data:\n  sources:\n    - {name: a, asset: mtbench}\n    - {name: a, asset: humaneval}\n"
     assert "repeated: a" in rejection(tmp_path, duplicate)
-    engine_suites = "evaluation:\n  sets: [{source: mtbench}]\n  sets_on: engine\n"
-    assert "evaluation.sets_on: engine replays the suites on vLLM" in rejection(
-        tmp_path, engine_suites + "benchmark:\n  engines: [sglang]\n")
     assert "evaluation.sets is empty" in rejection(tmp_path, "evaluation:\n  sets_on: engine\n")
     assert load_config(None, ["evaluation.sets=[{source: mtbench}]", "evaluation.sets_on=engine",
                               "benchmark.engines=[vllm]"]).evaluation.sets_on == "engine"

@@ -55,6 +55,7 @@ port = int(args[args.index("--port") + 1])
 name = args[args.index("--served-model-name") + 1]
 mode = os.environ.get("FAKE_ENGINE_MODE", "serve")
 print("fake engine argv:", " ".join(args), flush=True)
+print("fake engine CUDA_VISIBLE_DEVICES:", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
 if mode == "exit":
     print("fatal: cannot load the model", flush=True)
     sys.exit(3)
@@ -178,7 +179,8 @@ def test_sglang_command_with_and_without_a_draft(tmp_path: Path) -> None:
     assert flag(plain, "--model-path") == str(tmp_path / "t")
     assert flag(plain, "--host") == "127.0.0.1" and flag(plain, "--port") == "30000"
     assert "--enable-metrics" in plain and "--speculative-algorithm" not in plain
-    assert "--dtype" not in plain, "without a launch dtype SGLang keeps its own default"
+    assert flag(plain, "--dtype") == "float32", "named: SGLang's auto would load a float32 drafter as float16"
+    assert "--disable-cuda-graph" in plain, "the launch's default is the CPU's: eager"
 
     launch.draft, launch.num_speculative_tokens = tmp_path / "d", 3
     spec = engine_command(launch)
@@ -216,6 +218,10 @@ def test_launch_from_an_engine_config(tmp_path: Path) -> None:
     launch = EngineLaunch.from_config("vllm", engines["vllm"], model=tmp_path / "t", log_path=tmp_path / "l")
     assert launch.python == engines["vllm"].python and launch.port == engines["vllm"].port
     assert launch.env == engines["vllm"].env and launch.startup_timeout_s == engines["vllm"].startup_timeout_s
+    assert launch.gpus is None
+    placed = EngineLaunch.from_config("vllm", engines["vllm"].model_copy(update={"gpus": "1"}), model=tmp_path / "t",
+                                      log_path=tmp_path / "l")
+    assert placed.gpus == "1"
 
 
 def test_relative_engine_python_is_found_from_the_repository_root(tmp_path: Path, monkeypatch) -> None:
@@ -265,6 +271,18 @@ def test_serve_stops_the_engine_when_the_body_raises(fake_engine) -> None:
         with serve(fake_engine()) as engine:
             raise KeyError("boom")
     assert gone(engine.pid)
+
+
+def test_the_engine_process_sees_only_the_gpus_of_its_launch(fake_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime.engines.<engine>.gpus is the engine's CUDA_VISIBLE_DEVICES, whatever the caller's shell had."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    launch = fake_engine()
+    launch.gpus = "2"
+    with serve(launch):
+        assert "fake engine CUDA_VISIBLE_DEVICES: 2\n" in launch.log_path.read_text()
+    inherited = fake_engine()
+    with serve(inherited):
+        assert "fake engine CUDA_VISIBLE_DEVICES: 0,1,2,3\n" in inherited.log_path.read_text(), "unset: the caller's"
 
 
 def test_engines_start_together_and_one_failure_stops_the_others(fake_engine) -> None:

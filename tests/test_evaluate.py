@@ -136,6 +136,33 @@ def test_a_target_forward_bug_fails_the_stage(trained_run, tmp_path: Path, monke
     assert report["greedy_equivalence"] == "failed" and report["greedy_mismatches"]
 
 
+def test_a_bfloat16_evaluation_passes_near_ties_and_fails_a_target_forward_bug(trained_run, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """In bfloat16 the stage judges each divergence (first differing token, the target's float32 gap there, near-tie)
+    instead of failing on it. These prompts decode alike in bfloat16 without a bug (a divergence would be a near-tie);
+    the prefix-mask bug changes half of the outputs, above the mismatch rate this run allows, and fails the stage."""
+    runs = {}
+    for name in ("clean", "bug"):
+        directory = tmp_path / name
+        shutil.copytree(trained_run.output_path, directory)
+        runs[name] = trained_run.model_copy(update={
+            "output_dir": str(directory), "model": trained_run.model.model_copy(update={"dtype": "bfloat16"}),
+            "evaluation": trained_run.evaluation.model_copy(update={"max_greedy_mismatch_rate": 0.25})})
+    clean = evaluate.run(runs["clean"]).report
+    rule = clean["greedy_rule"]
+    assert clean["greedy_equivalence"] == "passed" and rule["dtype"] == "bfloat16" and not rule["exact"]
+    assert rule["compared"] == 2 * clean["prompts"] and rule["near_ties"] == rule["diverged"] <= rule["compared"] / 4
+    hide_first_cached_key(monkeypatch)
+    with pytest.raises(evaluate.GreedyMismatch, match="computed in bfloat16"):
+        evaluate.run(runs["bug"])
+    report = json.loads((runs["bug"].output_path / "evaluate" / "acceptance.json").read_text())
+    rule = report["greedy_rule"]
+    assert report["greedy_equivalence"] == "failed" and rule["diverged"] == len(report["greedy_mismatches"]) > 0
+    assert rule["mismatch_rate"] > rule["max_mismatch_rate"] or rule["near_ties"] < rule["diverged"]
+    for row in report["greedy_mismatches"]:
+        assert row["margin"] >= 0.0 and row["near_tie"] == (row["margin"] < rule["near_tie_margin"]), row
+
+
 def test_suites_report_every_set_per_source_and_category_with_intervals(trained_run, tmp_path: Path) -> None:
     """evaluation.sets: the chain over every set's prompts, the reference prompt among them decoded once; per suite
     and category τ with a bootstrap interval; the reference sections stay the reference prompts'."""

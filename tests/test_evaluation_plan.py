@@ -24,10 +24,12 @@ def test_the_gpu_recipe_plans_a_bounded_evaluation_that_finishes_in_minutes(tmp_
     assert reference.prompts.value == 8 * 2 and not reference.prompts.at_least, "8 MT-bench records of 2 turns"
     suites = {item.name: item for item in plan.items if item.name.startswith("suite ")}
     assert set(suites) == {f"suite {name}" for name in ("mtbench", "gsm8k", "humaneval", "math500", "mbpp")}
-    assert all(item.prompts.value is not None and item.where == "offline" for item in suites.values())
+    assert {name: item.prompts.value for name, item in suites.items()} == {
+        "suite mtbench": 80 * 2, "suite gsm8k": 100, "suite humaneval": 100, "suite math500": 100, "suite mbpp": 100}
+    assert all(item.where == "engine (benchmark)" for item in suites.values()), "replayed batched on SGLang"
     assert plan.trainer_eval_records.value == 512
     tokens = plan.offline_tokens().value
-    assert tokens == (16 * 3 + 32 + 16 * 4) * 256
+    assert tokens == 16 * 3 * 256, "offline: the reference prompts alone"
     assert plan.tokens_per_second == cfg.evaluation.expected_tokens_per_s
     assert plan.offline_seconds() == tokens / cfg.evaluation.expected_tokens_per_s
     assert plan.offline_seconds() < 3600, "the evaluation of a few-hour GPU run takes minutes, not days"
@@ -66,5 +68,6 @@ def test_config_validate_prints_the_plan_with_its_time(tmp_path: Path) -> None:
     assert "evaluation plan (256 new tokens a decode):" in result.output
     assert "reference prompts (target alone, chain, tree): 16 prompts × 3 decode(s), offline" in result.output
     assert "trainer's eval: 512 held-out records" in result.output
-    assert "offline decoding: 36,864 tokens, about 20 min at 30 tok/s (evaluation.expected_tokens_per_s)" \
+    assert "suite mtbench: 160 prompts × 1 decode(s), engine (benchmark)" in result.output
+    assert "offline decoding: 12,288 tokens, about 7 min at 30 tok/s (evaluation.expected_tokens_per_s)" \
         in result.output

@@ -74,18 +74,19 @@ CHEAP_STAGES = ["target", "ingest", "regenerate", "validate"]
 #: Stands in for vLLM's server module: the first launch dies (as an engine does when its port or GPU memory
 #: is not yet free); later launches serve the target with tests/openai_server.py.
 FLAKY_ENGINE = """\
-import os, sys
+import os, sys, time
 from pathlib import Path
 
 args = sys.argv[1:]
 marker = Path(os.environ["FLAKY_ENGINE_MARKER"])
 if not marker.exists():
     marker.write_text("failed once")
-    print("flaky engine: the first launch fails", flush=True)
-    sys.exit(3)
+    print("flaky engine: the first launch never gets ready", flush=True)
+    time.sleep(600)
 sys.path.insert(0, os.environ["FLAKY_ENGINE_TESTS"])
 import openai_server
-sys.argv = ["openai_server", "--model", args[args.index("--model") + 1], "--port", args[args.index("--port") + 1]]
+sys.argv = ["openai_server", *(part for name in ("--model", "--port", "--served-model-name")
+                               for part in (name, args[args.index(name) + 1]))]
 openai_server.main()
 """
 
@@ -206,18 +207,33 @@ def flaky_engine(tmp_path: Path) -> dict:
     (package / "api_server.py").write_text(FLAKY_ENGINE)
     env = {"PYTHONPATH": str(tmp_path / "flaky"), "FLAKY_ENGINE_MARKER": str(tmp_path / "failed-once"),
            "FLAKY_ENGINE_TESTS": str(Path(__file__).parent)}
-    return {"vllm": {"python": sys.executable, "port": free_port(), "env": env, "startup_timeout_s": 120}}
+    return {"vllm": {"python": sys.executable, "port": free_port(), "env": env, "startup_timeout_s": 30}}
 
 
-def test_an_engine_that_fails_to_start_is_retried(prefect_harness, tmp_path: Path, tiny_target_dir: Path) -> None:
+def test_an_engine_that_was_not_ready_in_time_is_retried(prefect_harness, tmp_path: Path,
+                                                         tiny_target_dir: Path) -> None:
     config = untracked_config(tmp_path, tiny_target_dir, runtime={"engines": flaky_engine(tmp_path)},
                               regeneration={"backend": "openai", "engine": "vllm", "concurrency": 2})
     state = pipeline(str(config), [], ["target", "ingest", "regenerate"], return_state=True)
     assert state.is_completed(), state.message
-    assert task_runs(state)["regenerate"].run_count == 2, "EngineStartError on the first try, served on the second"
+    assert task_runs(state)["regenerate"].run_count == 2, "EngineNotReady on the first try, served on the second"
     assert state.result()["regenerate"]["ok"] == 5
     log = (tmp_path / "out" / "logs" / "regenerate-vllm.log").read_text()
-    assert "the first launch fails" in log and log.count("starting:") == 2
+    assert "the first launch never gets ready" in log and log.count("starting:") == 2
+
+
+def test_an_engine_that_exits_at_start_up_fails_the_stage_at_once(prefect_harness, tmp_path: Path,
+                                                                  tiny_target_dir: Path) -> None:
+    engines = flaky_engine(tmp_path)
+    engines["vllm"]["extra_args"] = ["--no-such-flag"]
+    (tmp_path / "flaky" / "vllm" / "entrypoints" / "openai" / "api_server.py").write_text(
+        "import sys\nprint('api_server: error: unrecognized arguments: --no-such-flag', flush=True)\nsys.exit(2)\n")
+    config = untracked_config(tmp_path, tiny_target_dir, runtime={"engines": engines},
+                              regeneration={"backend": "openai", "engine": "vllm"})
+    state = pipeline(str(config), [], ["target", "ingest", "regenerate"], return_state=True)
+    assert state.is_failed()
+    assert "stage regenerate failed: EngineExited" in state.message and "--no-such-flag" in state.message
+    assert task_runs(state)["regenerate"].run_count == 1, "the same command would exit again: not retried"
 
 
 def test_an_engine_whose_python_is_missing_fails_at_once(prefect_harness, tmp_path: Path, tiny_target_dir: Path) -> None:

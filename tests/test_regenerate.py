@@ -170,8 +170,16 @@ def stage_command(config: Path) -> list[str]:
     return [sys.executable, "-m", "flows.cli", "stage", "regenerate", "--config", str(config)]
 
 
+def journal_keys(path: Path) -> list[str]:
+    """The record keys a journal holds, in commit order (not its fingerprint line, not the lines naming a server,
+    not a last line still being written)."""
+    lines = path.read_bytes().splitlines(keepends=True)[1:] if path.exists() else []
+    entries = [json.loads(line) for line in lines if line.endswith(b"\n")]
+    return [entry["key"] for entry in entries if "key" in entry]
+
+
 def journal_entries(path: Path) -> int:
-    return max(0, len(path.read_bytes().splitlines()) - 1) if path.exists() else 0
+    return len(journal_keys(path))
 
 
 @pytest.mark.integration
@@ -221,8 +229,8 @@ def test_a_journal_for_other_settings_is_not_resumed(tmp_path: Path, tiny_target
 def serve_tiny(tiny_target_dir: Path, subprocesses: None) -> Iterator:
     servers: list[ChatServer] = []
 
-    def start(*options: str, port: int | None = None) -> ChatServer:
-        server = ChatServer(tiny_target_dir, port or free_port(), *options)
+    def start(*options: str, port: int | None = None, model_dir: Path | None = None) -> ChatServer:
+        server = ChatServer(model_dir or tiny_target_dir, port or free_port(), *options)
         servers.append(server)
         return server
 
@@ -278,7 +286,7 @@ def test_a_server_refusing_most_requests_stops_the_stage_early(tmp_path: Path, t
     assert f"{server.url}/chat/completions refused" in message and "HTTP 404" in message and refusal in message
     assert server.chat_requests() <= 2 + regenerate.REFUSAL_STREAK + 1, "it stopped after a few of the 40 requests"
     journal = cfg.output_path / "data" / "regenerate.journal.jsonl"
-    kept = [json.loads(line)["key"] for line in journal.read_text().splitlines()[1:]]
+    kept = journal_keys(journal)
     # two records are in flight at once, so they are journalled in the order they finish
     assert sorted(kept) == ["prompts.jsonl:1", "prompts.jsonl:2"], "the answered records stay; the refused ones are not kept"
     assert not (cfg.output_path / "data" / "regenerated.jsonl").exists()

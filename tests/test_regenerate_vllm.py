@@ -64,7 +64,8 @@ def test_vllm_stopped_mid_run_then_restarted(tmp_path: Path, tiny_target_dir: Pa
     items = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me story {i}."}]} for i in range(12)]
     with serve(launch) as engine:
         cfg = prepare_run(tmp_path, tiny_target_dir, items, backend="openai", base_url=engine.base_url, concurrency=1,
-                          chunk_records=1, max_new_tokens=32, max_retries=14, backoff_initial_s=1.0, backoff_max_s=8.0)
+                          served_model_name=launch.served_model_name, chunk_records=1, max_new_tokens=32,
+                          max_retries=14, backoff_initial_s=1.0, backoff_max_s=8.0)
         config = tmp_path / "run.yaml"
         config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
         runner = subprocess.Popen(stage_command(config), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
+import time
 import typing
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,12 +27,15 @@ from pydantic import ValidationError
 
 from contract.config import WAIVABLE_GATES, DraftConfig, RegistryConfig, RunConfig, TrackingConfig
 from contract.config_loading import ConfigError, config_as_yaml, load_config
+from contract.records import Message, PromptRecord, Provenance
 from contract.reports import AcceptanceReport, BenchmarkReport
 from flows.registry_cli import add_registry_commands
 from tasks import evaluate, register, train
 from tasks.registry import store as registry_store
-from tasks.registry.gates import (NOT_RUN, Champion, GateInputs, blocking_lines, evaluate_gates, gates_passed,
-                                  waivers_used)
+from tasks.registry.comparison import SetComparison
+from tasks.registry.gates import (NOT_RUN, Champion, GateInputs, blocking_lines, compare_with_champion, evaluate_gates,
+                                  family_level, gates_passed, waivers_used)
+from tasks.registry.promotion_lock import PromotionLocked, lock_path_for, promotion_lock
 from report_builders import SKIPPED_BENCHMARK, acceptance_report, benchmark_report, engine_report, mode_acceptance, speedup_rows
 from training_run import copied_run
 
@@ -330,6 +335,48 @@ def test_a_champion_without_readable_rounds_or_prompt_hashes() -> None:
     assert gates["no_regression[gsm8k]"].status == NOT_RUN and "no prompt hashes" in gates["no_regression[gsm8k]"].detail
 
 
+#: Per-prompt gains whose 95 % paired interval over the eight prompts just clears zero: one set like it is evidence,
+#: one of seven sets like it is what noise alone produces about one time in six.
+MARGINAL_GAIN = (0.3, 0.25, 0.2, 0.15, 0.1, 0.05, -0.05, -0.1)
+
+
+def test_the_improvement_gate_corrects_for_reading_several_sets() -> None:
+    base = [2.0 + offset for offset in SPREAD]
+    names = [f"suite{index}" for index in range(6)]
+    marginal = {name: shifted(base, MARGINAL_GAIN[index:] + MARGINAL_GAIN[:index]) for index, name in enumerate(names)}
+    the_champion = champion(2.0, suites={name: base for name in names})
+    inputs = good_inputs(acceptance=accept_length(2.0, suites=marginal), champion=the_champion)
+    uncorrected = compare_with_champion(inputs).suites
+    assert all(isinstance(uncorrected[name], SetComparison) and uncorrected[name].significant_gain for name in names), \
+        "each suite alone clears zero at 95 %"
+    improvement = {gate.name: gate for gate in evaluate_gates(inputs, SETTINGS)}["improvement"]
+    assert improvement.status == "failed" and improvement.measured <= 0.0, improvement.describe()
+    corrected = family_level(7)
+    assert corrected == pytest.approx(1.0 - 0.05 / 7)
+    assert f"at {corrected:.2%} confidence, Bonferroni over 7 sets" in improvement.detail
+    widened = [uncorrected[name].difference_at(corrected, 4000 * 7) for name in names]
+    assert all(interval.low <= 0.0 < uncorrected[name].difference.low for name, interval in zip(names, widened))
+
+    really = {**marginal, "suite5": shifted(base, (0.3,) * 8)}
+    gates = {gate.name: gate for gate in evaluate_gates(
+        good_inputs(acceptance=accept_length(2.0, suites=really), champion=the_champion), SETTINGS)}
+    assert gates["improvement"].status == "passed" and gates["improvement"].measured == pytest.approx(0.3)
+    assert gates["improvement"].detail.startswith("suite5 gains beyond the noise")
+
+
+def test_the_reference_prompts_pair_on_their_names_when_the_eval_fingerprints_agree() -> None:
+    """A later turn's token ids hold the earlier turns' regenerated replies: two runs of one recipe hash them
+    differently, and the fingerprint of the prompts (equal here) is what vouches for the pairing."""
+    regenerated = accept_length(2.0)
+    for row in regenerated["chain"]["per_prompt"][::2]:
+        row["input_hash"] = "another history"
+    gates = {gate.name: gate for gate in evaluate_gates(good_inputs(acceptance=regenerated,
+                                                                    champion=champion(2.1)), SETTINGS)}
+    regression = gates["no_regression"]
+    assert regression.status == "failed" and "paired reference: 2.000 vs champion 2.100" in regression.detail
+    assert "difference -0.100 [-0.100, -0.100] over 8 prompts" in regression.detail
+
+
 def waiving(waivers: dict[str, str]) -> RegistryConfig:
     """SETTINGS with `waivers` as registry.waive_gates, validated as a config would be."""
     return RegistryConfig(**{**SETTINGS.model_dump(), "waive_gates": waivers})
@@ -436,6 +483,8 @@ def test_registration_carries_the_contract_reports_and_provenance(exported_run: 
     registration = json.loads((cfg.output_path / "register" / "registration.json").read_text())
     assert registration == result.registration and registration["version"] == 1
     assert registration["aliases"] == ["champion"] and registration["gates_passed"] is True
+    lock = Path(mlflow_uri.removeprefix("sqlite:///")).resolve().with_name(f"mlflow.db.{MODEL}.promotion.lock")
+    assert registration["promotion_guard"] == f"file lock {lock}" and registration["promotion_refused"] is None
     assert {gate["name"]: gate["status"] for gate in registration["gates"]}["speedup"] == "waived"
     assert registration["waived_gates"] == SERVING_GATES and registration["failed_gates"] == []
     assert registration["waivers"] == SERVING_WAIVERS
@@ -612,6 +661,119 @@ def test_without_tracking_the_gates_are_reported_and_nothing_is_registered(expor
     assert not (cfg.output_path / "mlflow.db").exists()
 
 
+def held_out_record(record_id: str, question: str, replies: tuple[str, str]) -> str:
+    """A two-turn held-out record as validate writes it to data/eval.jsonl, its assistant turns holding `replies`."""
+    messages = [Message(role="system", content="Be brief."), Message(role="user", content=question),
+                Message(role="assistant", content=replies[0], reasoning_content=f"thinking about {replies[0]}",
+                        supervised=True),
+                Message(role="user", content="And why?"),
+                Message(role="assistant", content=replies[1], supervised=True)]
+    record = PromptRecord(id=record_id, source="mtbench", messages=messages, split="eval",
+                          provenance=Provenance(file="mtbench.jsonl", line=1, format="jsonl"))
+    return record.model_dump_json()
+
+
+def test_the_eval_fingerprint_counts_the_prompts_not_the_regenerated_replies(tmp_path: Path) -> None:
+    cfg = RunConfig.model_validate({"output_dir": str(tmp_path)})
+    acceptance = AcceptanceReport.model_validate(accept_length(2.0))
+    eval_set = tmp_path / "data" / "eval.jsonl"
+    eval_set.parent.mkdir(parents=True)
+
+    def fingerprint(*records: str) -> str:
+        eval_set.write_text("\n".join(records) + "\n")
+        return register.eval_fingerprint(cfg, acceptance)
+
+    first_run = fingerprint(held_out_record("mtbench:1", "Name a prime.", ("7.", "It has two divisors.")),
+                            held_out_record("mtbench:2", "Name a colour.", ("Red.", "It came to mind.")))
+    rerun = fingerprint(held_out_record("mtbench:1", "Name a prime.", ("Eleven.", "Only 1 and 11 divide it.")),
+                        held_out_record("mtbench:2", "Name a colour.", ("Blue, the sky's.", "Look up.")))
+    assert rerun == first_run, "the replies are regenerated each run: the same prompts are the same eval set"
+    other_question = fingerprint(held_out_record("mtbench:1", "Name an even prime.", ("2.", "Only 1 and 2 divide it.")),
+                                 held_out_record("mtbench:2", "Name a colour.", ("Red.", "It came to mind.")))
+    assert other_question != first_run
+    fewer = fingerprint(held_out_record("mtbench:1", "Name a prime.", ("7.", "It has two divisors.")))
+    assert fewer not in (first_run, other_question)
+
+    gates = {gate.name: gate for gate in evaluate_gates(
+        good_inputs(eval_fingerprint=rerun, champion=champion(1.95, fingerprint=first_run)), SETTINGS)}
+    assert gates["no_regression"].status == "passed" and "paired reference" in gates["no_regression"].detail
+
+
+def registry_with_versions(uri: str, count: int, source: Path) -> Any:
+    """A registered model with `count` versions in the sqlite store at `uri` (their `source` is never read)."""
+    client = mlflow.MlflowClient(uri)
+    client.create_registered_model(MODEL)
+    for _ in range(count):
+        client.create_model_version(MODEL, source=str(source))
+    return client
+
+
+def test_a_champion_that_moved_after_the_comparison_is_not_replaced(mlflow_uri: str, tmp_path: Path) -> None:
+    """Compare-and-set, the guard where no lock file is shared: v2 and v3 were both gated against v1; v3 moved the
+    alias first, so v2 (never compared with v3) stays candidate and records why."""
+    client = registry_with_versions(mlflow_uri, 3, tmp_path)
+    assert registry_store.promote_if_unchanged(client, MODEL, 1, None) == registry_store.Promotion(True)
+    gated_against = registry_store.alias_version(client, MODEL, "champion")
+    client.set_registered_model_alias(MODEL, "candidate", "2")
+    assert registry_store.promote_if_unchanged(client, MODEL, 3, gated_against) == registry_store.Promotion(True, 1)
+    late = registry_store.promote_if_unchanged(client, MODEL, 2, gated_against)
+    assert not late.promoted and late.previous is None
+    assert late.refused is not None and late.refused.startswith("champion moved from v1 to v3 after v2 was gated")
+    assert aliases(mlflow_uri) == {"champion": 3, "previous": 1, "candidate": 2}
+    assert client.get_model_version(MODEL, "2").tags["eaglet.promotion_refused"] == late.refused
+
+
+def test_promotions_into_one_registry_take_turns_under_its_lock(mlflow_uri: str, tmp_path: Path) -> None:
+    """Two runs promoting at once, each reading the champion, gating, then moving the alias: under the lock the
+    second reads the champion the first left, so it is compared with it instead of replacing it unseen."""
+    registry_with_versions(mlflow_uri, 2, tmp_path)
+    events: list[tuple[str, int, Optional[int]]] = []
+    guards: list[str] = []
+    start = threading.Barrier(2)
+
+    def promote(version: int) -> None:
+        client = mlflow.MlflowClient(mlflow_uri)
+        start.wait()
+        with promotion_lock(mlflow_uri, MODEL) as guard:
+            guards.append(guard.kind)
+            seen = registry_store.alias_version(client, MODEL, "champion")
+            events.append(("read", version, seen))
+            time.sleep(0.3)  # the comparison with the champion just read
+            outcome = registry_store.promote_if_unchanged(client, MODEL, version, seen)
+            events.append(("moved" if outcome.promoted else "refused", version, seen))
+
+    threads = [threading.Thread(target=promote, args=(version,)) for version in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    first, second = events[0][1], events[2][1]
+    assert events == [("read", first, None), ("moved", first, None), ("read", second, first),
+                      ("moved", second, first)], "the second read the champion only after the first moved it"
+    assert guards == ["file lock", "file lock"], "a sqlite store is on this machine"
+    database = Path(mlflow_uri.removeprefix("sqlite:///")).resolve()
+    assert lock_path_for(mlflow_uri, "team/drafter") == database.with_name("mlflow.db.team_drafter.promotion.lock")
+
+    with promotion_lock(mlflow_uri, MODEL):
+        waiting: list[BaseException] = []
+        thread = threading.Thread(target=lambda: held_too_long(mlflow_uri, waiting))
+        thread.start()
+        thread.join(timeout=30)
+    assert len(waiting) == 1 and isinstance(waiting[0], PromotionLocked)
+    assert f"holds {database.with_name(f'mlflow.db.{MODEL}.promotion.lock')}" in str(waiting[0])
+    with promotion_lock("https://mlflow.example.com", MODEL) as remote:
+        assert remote.kind == "compare-and-set" and remote.lock_path is None
+
+
+def held_too_long(uri: str, errors: list[BaseException]) -> None:
+    """Try to take the promotion lock another thread holds, waiting a fifth of a second; keep what was raised."""
+    try:
+        with promotion_lock(uri, MODEL, wait_s=0.2):
+            pass
+    except PromotionLocked as error:
+        errors.append(error)
+
+
 # --- the commands ---------------------------------------------------------------------------------------
 
 
@@ -647,7 +809,17 @@ def test_promote_needs_passed_gates_or_force_with_a_reason_and_show_lists_versio
     assert aliases(mlflow_uri) == {"champion": 2, "previous": 1}
     tags = mlflow.MlflowClient(mlflow_uri).get_model_version(MODEL, "2").tags
     assert tags["eaglet.promotion"] == "forced" and tags["eaglet.promotion_reason"] == "hotfix for a tokenizer bug"
-    back = invoke("promote", "--version", "1", "--config", str(config))
+    from tasks.registry.promotion_lock import promotion_lock
+
+    outcome: dict[str, Any] = {}
+    with promotion_lock(mlflow_uri, MODEL):  # a registering run between its comparison and its alias move
+        waiting = threading.Thread(target=lambda: outcome.update(back=invoke("promote", "--version", "1", "--config",
+                                                                             str(config))))
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and aliases(mlflow_uri) == {"champion": 2, "previous": 1}, "the hand promotion waits"
+    waiting.join(timeout=60)
+    back = outcome["back"]
     assert back.exit_code == 0 and aliases(mlflow_uri) == {"champion": 1, "previous": 2}
     assert invoke("promote", "--version", "7", "--config", str(config)).exit_code == 2
 

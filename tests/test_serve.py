@@ -110,10 +110,14 @@ def test_print_gives_the_vllm_command_of_the_registered_version(exported_run: Ru
     redacted = invoke("serve", "--print", "--config", str(config), "runtime.engines.vllm.env={HF_TOKEN: '***'}")
     assert redacted.exit_code == 1 and "runtime.engines.vllm.env.HF_TOKEN reads '***'" in redacted.output
 
-    sglang = invoke("serve", "--engine", "sglang", "--print", "--config", str(config))
+    assert option(command, "--dtype") == "float32" and "--enforce-eager" in command, "this CPU run's: named"
+    sglang = invoke("serve", "--engine", "sglang", "--print", "--config", str(config), "runtime.device=cuda",
+                    "runtime.engines.sglang.gpus=1")
     assert sglang.exit_code == 0, sglang.output
     command = shlex.split(sglang.stdout.splitlines()[-1])
     assert command[1:3] == ["-m", "sglang.launch_server"] and option(command, "--speculative-algorithm") == "EAGLE3"
+    assert option(command, "--dtype") == "float32" and "--disable-cuda-graph" not in command, "model.dtype, graphs"
+    assert "export CUDA_VISIBLE_DEVICES=1  # runtime.engines.sglang.gpus" in sglang.stdout.splitlines()
     assert option(command, "--speculative-draft-model-path") == str(cfg.output_path / "serve" / "v1" / "sglang")
     assert [option(command, name) for name in ("--speculative-num-steps", "--speculative-eagle-topk",
                                                "--speculative-num-draft-tokens")] == ["3", "1", "4"]

@@ -348,21 +348,23 @@ parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
 args = parser.parse_args(json.loads(sys.argv[1]))
 names = ("model_path", "host", "port", "speculative_algorithm", "speculative_draft_model_path",
-         "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "enable_metrics", "dtype")
+         "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "enable_metrics", "dtype",
+         "disable_cuda_graph")
 print(json.dumps({name: getattr(args, name) for name in names}))
 """
 
 
-@pytest.mark.parametrize("steps, topk, num_draft_tokens, dtype", [(3, 1, None, None), (6, 10, 32, "bfloat16")])
+@pytest.mark.parametrize("steps, topk, num_draft_tokens, dtype, eager",
+                         [(3, 1, None, "float32", True), (6, 10, 32, "bfloat16", False)])
 def test_sglang_parses_our_serving_commands_as_meant(tmp_path: Path, steps: int, topk: int,
-                                                     num_draft_tokens: int | None, dtype: str | None) -> None:
+                                                     num_draft_tokens: int | None, dtype: str, eager: bool) -> None:
     """The benchmark's SGLang argv (a chain and a draft tree) through SGLang's own CLI parser: every flag exists
     and lands in the ServerArgs field we mean, with our value (serving needs a GPU; parsing does not)."""
     from tasks.serving.engine import EngineLaunch, engine_command
 
     launch = EngineLaunch(kind="sglang", model=tmp_path / "target", python="python", port=30001,
                           log_path=tmp_path / "log", draft=tmp_path / "draft", num_speculative_tokens=steps,
-                          topk=topk, num_draft_tokens=num_draft_tokens, dtype=dtype)
+                          topk=topk, num_draft_tokens=num_draft_tokens, dtype=dtype, enforce_eager=eager)
     argv = engine_command(launch)[3:]  # after `python -m sglang.launch_server`
     done = subprocess.run([str(sglang_python()), "-c", PARSE_SCRIPT, json.dumps(argv)], capture_output=True,
                           text=True, timeout=PROBE_TIMEOUT_S)
@@ -372,4 +374,4 @@ def test_sglang_parses_our_serving_commands_as_meant(tmp_path: Path, steps: int,
                       "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(tmp_path / "draft"),
                       "speculative_num_steps": steps, "speculative_eagle_topk": topk,
                       "speculative_num_draft_tokens": num_draft_tokens or steps + 1, "enable_metrics": True,
-                      "dtype": dtype or "auto"}
+                      "dtype": dtype, "disable_cuda_graph": eager}

@@ -163,11 +163,14 @@ def test_nan_loss_stops_with_the_step_and_records(base_run, tmp_path: Path) -> N
 @pytest.mark.integration
 def test_two_ranks_match_one_and_resume_exactly(base_run, tmp_path: Path) -> None:
     one = fresh(base_run, tmp_path, "one")
-    train.run(one)
+    single_summary = train.run(one).values
     two = fresh(base_run, tmp_path, "two")
     two = two.model_copy(update={"deployment": two.deployment.model_copy(update={"trainer": two.deployment.trainer.model_copy(update={"nproc_per_node": 2})})})
     result = train.run(two)
     assert result.values["world_size"] == 2 and result.values["complete"]
+    # each rank evaluated its share of the eval records (gloo all-reduce of the counts): one rank's metrics
+    evaluated = [key for key in single_summary if key.startswith(("eval_", "untrained_"))]
+    assert evaluated and all(result.values[key] == pytest.approx(single_summary[key], abs=1e-5) for key in evaluated)
     single, double = losses(one), losses(two)
     assert single.keys() == double.keys()
     assert all(abs(single[step] - double[step]) < 1e-5 for step in single), (single, double)

@@ -53,6 +53,18 @@ def prompt_rounds(rounds: int, accepted_per_position: Sequence[float]) -> Prompt
     return PromptRounds(float(rounds) + float(sum(accepted_per_position)), float(rounds))
 
 
+def round_tokens(emitted: int) -> int:
+    """Tokens emitted by verify rounds: all a request emitted but the prefill's first token (that one comes from the
+    prompt's forward, not from a round)."""
+    return max(emitted - 1, 0)
+
+
+def generated_rounds(rounds: int, generated_tokens: int) -> PromptRounds:
+    """A prompt's rounds from what an engine without per-position counts reports per request (SGLang's /generate):
+    its verify rounds and every token it emitted, the prefill's included."""
+    return PromptRounds(float(round_tokens(generated_tokens)), float(rounds))
+
+
 def pooled_tau(prompts: Sequence[PromptRounds]) -> float:
     rounds = sum(prompt.rounds for prompt in prompts)
     return sum(prompt.accepted for prompt in prompts) / rounds if rounds else 0.0

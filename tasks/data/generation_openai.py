@@ -7,6 +7,8 @@ retried with exponential backoff; a 4xx bad request is not retried, since sendin
 is marked `refused`, and the regenerate stage stops when the server refuses every request (tasks/regenerate.py).
 Every request carries the configured credentials and headers (tasks/data/server_access.py). `regeneration.base_url`
 may list several replicas of the model: requests are spread over them and fail over (tasks/data/endpoints.py).
+Before any request the endpoints are asked what they serve, and a model other than the run's target is refused
+(tasks/data/served_model.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from contract.config import RegenerationConfig
 from tasks.data.endpoints import EndpointPool
 from tasks.data.generation import GenerationReply, GenerationRequest
 from tasks.data.server_access import server_access
+from tasks.data.served_model import check_served_name, identity_of, read_model_card
 
 RETRYABLE_STATUS = {408, 409, 425, 429}
 TRANSIENT_ERRORS = (httpx.TransportError, httpx.TimeoutException)
@@ -31,7 +34,10 @@ class OpenAIGenerator:
     streams_records = True
 
     def __init__(self, base_urls: str | list[str], settings: RegenerationConfig, model: Optional[str] = None,
-                 template_kwargs: Optional[dict[str, Any]] = None) -> None:
+                 template_kwargs: Optional[dict[str, Any]] = None, expected_model: Optional[tuple[str, str]] = None,
+                 ) -> None:
+        """`expected_model`: (name, config field naming it) the endpoints must serve (tasks/data/served_model.py);
+        None accepts what they serve. `model` skips asking them (no identity is known then)."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         self.settings = settings
         self.template_kwargs = dict(template_kwargs or {})
@@ -39,23 +45,25 @@ class OpenAIGenerator:
         self.pool = EndpointPool([server_access(url, settings) for url in urls], settings.concurrency,
                                  self.backoff_seconds)
         self.base_url = ", ".join(endpoint.access.base_url for endpoint in self.pool.endpoints)  # for messages
-        self.model = model or self.served_model()
+        self.identity: Optional[dict[str, Any]] = None  # what the first answering endpoint serves
+        self.model = model or self.served_model(expected_model)
 
-    def served_model(self) -> str:
-        """The model the endpoints serve (engines serve one; replicas must agree). An endpoint that does not answer
-        is paused like one that failed a request; the stage starts as long as one answers."""
+    def served_model(self, expected: Optional[tuple[str, str]] = None) -> str:
+        """The model the endpoints serve (engines serve one; replicas must agree), refused unless it is `expected`.
+        An endpoint that does not answer is paused like one that failed a request; the stage starts as long as one
+        answers."""
         served: dict[str, str] = {}
         first_problem: Optional[Exception] = None
         for endpoint in self.pool.endpoints:
             url = endpoint.access.base_url
             try:
-                response = httpx.get(f"{url}/models", headers=endpoint.access.headers,
-                                     timeout=self.settings.request_timeout_s)
-                response.raise_for_status()
-                served[url] = response.json()["data"][0]["id"]
+                card = read_model_card(endpoint.access, self.settings.request_timeout_s)
             except (httpx.HTTPError, KeyError, IndexError, ValueError) as problem:
                 first_problem = first_problem or problem
                 self.pool.pause(endpoint)
+                continue
+            served[url] = card["id"]
+            self.identity = self.identity or identity_of(card)
         if not served and first_problem is not None:
             raise first_problem
         for url in {endpoint.access.base_url for endpoint in self.pool.endpoints} - set(served):
@@ -64,6 +72,8 @@ class OpenAIGenerator:
         if len(models) > 1:
             raise ValueError(f"regeneration.base_url: the endpoints serve different models ({served}); replicas of "
                              "one model are expected")
+        if expected is not None:
+            check_served_name(models[0], *expected, self.base_url)
         return models[0]
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationReply]:

@@ -1,7 +1,9 @@
 """An append-only journal of finished work, committed in chunks, so a killed stage resumes where it stopped.
 
 The first line holds a fingerprint of the inputs and settings; a journal written under another
-fingerprint is discarded rather than mixed in. Each chunk is appended in one write and fsynced; a line
+fingerprint is discarded rather than mixed in. A `{"server": identity}` line says which server wrote the entries
+after it (tasks/data/served_model.py): the stage discards a journal another server wrote, so replies of another
+model behind the same URL are not mixed in either. Each chunk is appended in one write and fsynced; a line
 cut short by a kill is dropped on reading (its chunk is simply done again).
 """
 
@@ -10,13 +12,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+#: The key of a line naming the server that wrote the entries after it.
+SERVER = "server"
 
 
 class Journal:
     def __init__(self, path: Path, fingerprint: str) -> None:
         self.path = path
         self.fingerprint = fingerprint
+        self.server: Optional[dict[str, Any]] = None  # the identity of the last server line read or written
 
     def load(self) -> dict[str, dict[str, Any]]:
         """Committed entries by key; starts a fresh journal when absent or written for other inputs."""
@@ -31,7 +37,10 @@ class Journal:
                         entry = self.parse(line)
                         if entry is None:
                             break
-                        entries[entry["key"]] = entry
+                        if SERVER in entry:
+                            self.server = entry[SERVER]
+                        else:
+                            entries[entry["key"]] = entry
                         valid_bytes += len(line)
         if valid_bytes == 0:
             self.start()
@@ -54,6 +63,8 @@ class Journal:
             return None
 
     def start(self) -> None:
+        """An empty journal: only the fingerprint line."""
+        self.server = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "wb") as handle:
             handle.write(json.dumps({"fingerprint": self.fingerprint}).encode() + b"\n")
@@ -67,6 +78,11 @@ class Journal:
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
+
+    def note_server(self, identity: dict[str, Any]) -> None:
+        """Say which server writes the entries committed from now on."""
+        self.commit([{SERVER: identity}])
+        self.server = identity
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

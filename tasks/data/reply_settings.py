@@ -36,6 +36,9 @@ ENGINE_NOT_REPLIES: dict[str, str] = {
     "port": "where the engine listens",
     "startup_timeout_s": "how long its start is waited for",
     "env": "its threads, memory and tokens",
+    "dtype": "the benchmark's and eaglet serve's: regenerate's engine runs in regeneration.dtype",
+    "enforce_eager": "the benchmark's and eaglet serve's: regenerate's engine runs eager",
+    "gpus": "which of the host's GPUs it runs on",
 }
 
 #: Fields outside those sections that change replies: template arguments, the numerics of the local backend, and

@@ -8,7 +8,8 @@ cannot be compared says so and why). The very first champion has nothing to regr
 passes. Against a champion, the comparison is paired over the same prompts per eval set (the reference prompts and
 each suite of `evaluation.sets`, tasks/registry/comparison.py): a drop beyond `registry.max_regression` fails only
 outside the noise (its bootstrap interval below zero), and a version replaces the champion only when some set gains
-beyond the noise (the `improvement` gate). Each gate keeps its measured value and its threshold, so a refusal says by
+beyond the noise (the `improvement` gate, its intervals Bonferroni-corrected for the number of sets it reads). Each
+gate keeps its measured value and its threshold, so a refusal says by
 how much it missed.
 
 The checkpoint checks are what `eaglet doctor` prints (docs/architecture.md §3, §5): the contract against the target,
@@ -24,7 +25,7 @@ from typing import Any, Literal, Optional
 from contract.checkpoint import CheckpointContract, ContractMismatch, check_against_target
 from contract.config import RegistryConfig
 from contract.reports import AcceptanceReport, AgreementCheck, BenchmarkReport, SpeedupRow
-from tasks.common.intervals import pooled_tau
+from tasks.common.intervals import LEVEL, RESAMPLES, pooled_tau
 from tasks.registry.comparison import (Comparison, SetComparison, SuiteRounds, compare_reference, compare_suites,
                                        measured_suites, rounds_of)
 
@@ -356,7 +357,10 @@ def suite_regression_gates(inputs: GateInputs, comparisons: ChampionComparisons,
 
 def improvement_gate(inputs: GateInputs, comparisons: ChampionComparisons) -> Gate:
     """A new champion must be better, not just no worse: some eval set (the reference prompts or a suite) gains
-    beyond the noise (the paired interval above zero). A gain inside the noise leaves the champion where it is."""
+    beyond the noise (the paired interval above zero). A gain inside the noise leaves the champion where it is.
+    Reading K sets gives K chances for noise to clear zero, so each set's interval is Bonferroni-corrected
+    (`family_level`): the chance that a drafter no better than the champion replaces it stays at the single
+    interval's one-sided 2.5 %, whatever K."""
     champion = inputs.champion
     if champion is None:
         return Gate("improvement", PASSED, None, 0.0, "no champion yet: the first version to pass becomes champion")
@@ -372,14 +376,29 @@ def improvement_gate(inputs: GateInputs, comparisons: ChampionComparisons) -> Ga
         return Gate("improvement", NOT_RUN, None, 0.0,
                     f"no eval set measured alike by this version and champion v{champion.version}"
                     + (f" ({reasons})" if reasons else ""))
-    best = max(compared, key=lambda comparison: comparison.difference.low)
-    listed = "; ".join(comparison.describe() for comparison in compared)
-    if best.significant_gain:
-        return Gate("improvement", PASSED, best.difference.low, 0.0,
-                    f"{best.name} gains beyond the noise (lower bound of the paired difference): {listed}")
-    return Gate("improvement", FAILED, best.difference.low, 0.0,
+    level = family_level(len(compared))
+    corrected = {comparison.name: comparison.difference_at(level, RESAMPLES * len(compared)) for comparison in compared}
+    best = max(compared, key=lambda comparison: corrected[comparison.name].low)
+    lower_bound = corrected[best.name].low
+    correction = (f"each set's paired difference at {level:.2%} confidence, Bonferroni over {len(compared)} "
+                  f"set{'s' if len(compared) != 1 else ''} (a family-wise {(1.0 - LEVEL) / 2:.1%} one-sided chance of "
+                  "replacing an equal champion)")
+    listed = "; ".join(comparison.describe(corrected[comparison.name]) for comparison in compared)
+    if lower_bound > 0.0:
+        return Gate("improvement", PASSED, lower_bound, 0.0,
+                    f"{best.name} gains beyond the noise (lower bound of the paired difference; {correction}): "
+                    f"{listed}")
+    return Gate("improvement", FAILED, lower_bound, 0.0,
                 f"no eval set gains beyond the noise, so champion v{champion.version} stays (a gain inside the noise "
-                f"does not replace it): {listed}")
+                f"does not replace it; {correction}): {listed}")
+
+
+def family_level(sets: int) -> float:
+    """The confidence level of each of `sets` intervals such that all hold together at LEVEL (Bonferroni): "some
+    set improves" passes when any lower bound clears zero, so each gets 1/`sets` of the error. For this any-of
+    decision Holm's step-down gives the same verdict (its first step is this bound), and unlike a pooled interval it
+    needs no common unit across suites measured by different engines."""
+    return 1.0 - (1.0 - LEVEL) / sets
 
 
 # --- checkpoint checks (eaglet doctor) ------------------------------------------------------------------

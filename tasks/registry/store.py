@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,6 +33,8 @@ TAG_SPEEDUP = "eaglet.speedup"
 TAG_RECOMMENDED_SERVING = "eaglet.recommended_serving"
 #: JSON {gate family: reason} of the registry.waive_gates entries that let a gate through unmeasured ({}: none).
 TAG_WAIVERS = "eaglet.waivers"
+#: Why a version whose gates passed was not promoted: the champion moved after its comparison (promote_if_unchanged).
+TAG_PROMOTION_REFUSED = "eaglet.promotion_refused"
 TAG_TARGET_REVISION = "contract.target_revision"
 #: The draft method (contract.method): versions of every method share one model name, told apart by this tag.
 TAG_METHOD = "contract.method"
@@ -101,6 +104,36 @@ def promote_version(client: Any, name: str, version: int, reason: Optional[str] 
     if reason:
         client.set_model_version_tag(name, str(version), "eaglet.promotion_reason", reason)
     return previous
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """What came of moving `champion` to a version that passed its gates: promoted (the champion it replaced, if
+    any), or refused because the champion moved after the comparison, and why."""
+
+    promoted: bool
+    previous: Optional[int] = None
+    refused: Optional[str] = None
+
+
+def promote_if_unchanged(client: Any, name: str, version: int, gated_against: Optional[int]) -> Promotion:
+    """Promote `version` only if `champion` is still the version it was gated against (None: no champion then).
+
+    The compare-and-set half of the promotion guard (tasks/registry/promotion_lock.py): under the file lock the
+    re-read always agrees; on a store elsewhere another run may have promoted in between, and replacing its champion
+    unseen is what the gates exist to prevent, so the version stays candidate and records why."""
+    current = alias_version(client, name, CHAMPION)
+    if current != gated_against:
+        reason = (f"champion moved from {version_label(gated_against)} to {version_label(current)} after "
+                  f"v{version} was gated against {version_label(gated_against)} (another run promoted it): v{version} "
+                  f"stays candidate; register it again to be gated against {version_label(current)}")
+        client.set_model_version_tag(name, str(version), TAG_PROMOTION_REFUSED, reason)
+        return Promotion(False, refused=reason)
+    return Promotion(True, previous=promote_version(client, name, version))
+
+
+def version_label(version: Optional[int]) -> str:
+    return f"v{version}" if version is not None else "no champion"
 
 
 def registry_client(cfg: RunConfig) -> Any:

@@ -5,7 +5,10 @@ started with the `python` of its own virtualenv (`make serve-env` creates `.venv
 the whole process tree can be stopped by process group, bound to 127.0.0.1 only, with stdout+stderr kept in
 a log file. Readiness is `GET /v1/models` answering 200 within the start-up timeout; any failure to become
 ready stops the process tree and raises `EngineStartError` with the command, the exit code and the log tail;
-a missing python, model or draft raises its subclass `EngineMissing` before anything starts (never retried).
+a missing python, model or draft raises its subclass `EngineMissing` before anything starts. Only a readiness
+timeout of a live process (`EngineNotReady`) is worth a retry; an engine that exited (`EngineExited`: bad flag,
+import error, out of memory at load, its reason read from the log tail) or whose port is taken (`EnginePortTaken`)
+fails the same way again, so the stage fails at once (`retry_can_cure`).
 
     with serve(EngineLaunch(kind="vllm", model=target_dir, python=".venv-vllm/bin/python",
                             port=free_port(), log_path=out / "logs/vllm.log")) as engine:
@@ -30,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Mapping, Optional
 
 from contract.secrets import unredacted_mapping
 from tasks.serving.serving_setting import export_method, vllm_speculative_config
@@ -40,6 +43,12 @@ EngineKind = Literal["vllm", "sglang"]
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
 POLL_INTERVAL_S = 0.5
+#: Where `EngineLaunch.gpus` goes in the engine's environment.
+GPU_VARIABLE = "CUDA_VISIBLE_DEVICES"
+#: Lower-case fragments of the log line that says why an engine exited at start-up (tasks/serving/engine.py
+#: `exit_reason`), and the one that means its port was taken between our check and its bind.
+EXIT_REASON_MARKERS = ("error", "out of memory", "exception", "killed")
+PORT_TAKEN_MARKER = "address already in use"
 
 #: How to create each engine's environment when its python is missing.
 ENV_HINTS: dict[str, str] = {
@@ -59,11 +68,34 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class EngineStartError(RuntimeError):
-    """The engine could not be started or did not become ready."""
+    """The engine could not be started or did not become ready. `retry_can_cure` says whether starting it again
+    may succeed: flows/pipeline.py retries a stage only for those."""
+
+    retry_can_cure = True
+
+
+class EngineNotReady(EngineStartError):
+    """The engine process is alive but did not answer within its start-up timeout (a slow load, a busy GPU host):
+    a later try may find it faster."""
 
 
 class EngineMissing(EngineStartError):
     """What the engine needs is not there (its python, the model or the draft directory): a retry cannot help."""
+
+    retry_can_cure = False
+
+
+class EngineExited(EngineStartError):
+    """The engine process exited before it was ready (a bad flag, an import error, out of memory while loading
+    the model): started again with the same command, it exits again."""
+
+    retry_can_cure = False
+
+
+class EnginePortTaken(EngineStartError):
+    """Something else listens on the engine's port: it stays taken until whoever holds it lets go."""
+
+    retry_can_cure = False
 
 
 @dataclass
@@ -72,7 +104,9 @@ class EngineLaunch:
 
     `python` is the interpreter of the engine's own virtualenv; a relative path is looked up from the
     current directory, then from the repository root. `extra_args` are appended last, so they override the
-    defaults of `engine_command` (e.g. `["--dtype", "bfloat16"]`). `env` is added to os.environ.
+    defaults of `engine_command` (e.g. `["--max-model-len", "4096"]`). `env` is added to os.environ; `gpus` becomes
+    the engine's CUDA_VISIBLE_DEVICES. The defaults of `dtype` and `enforce_eager` are the CPU's (float32, eager):
+    tasks/serving/engine_settings.py resolves a run's from runtime.engines.<kind>.
     """
 
     kind: EngineKind
@@ -88,7 +122,9 @@ class EngineLaunch:
     env: dict[str, str] = field(default_factory=dict, repr=False)  # secret values (contract/secrets.py)
     startup_timeout_s: float = 600.0
     served_model_name: str = "target"
-    dtype: Optional[str] = None      # None: vLLM float32 (see engine_command), SGLang its own default
+    dtype: str = "float32"           # --dtype of the target and the drafter, on either engine (engine_command)
+    enforce_eager: bool = True       # no CUDA graphs: vLLM --enforce-eager, SGLang --disable-cuda-graph
+    gpus: Optional[str] = None       # CUDA_VISIBLE_DEVICES of the engine's process; None: inherited
 
     @classmethod
     def from_config(
@@ -104,8 +140,8 @@ class EngineLaunch:
         num_draft_tokens: Optional[int] = None,
         served_model_name: str = "target",
     ) -> "EngineLaunch":
-        """Build a launch from a `contract.config.EngineConfig` (python, port, extra_args, env, startup_timeout_s);
-        an env value read back as `***` from a redacted config is refused, naming it."""
+        """Build a launch from a `contract.config.EngineConfig` (python, port, extra_args, env, startup_timeout_s,
+        gpus); an env value read back as `***` from a redacted config is refused, naming it."""
         return cls(
             kind=kind,
             model=Path(model),
@@ -120,15 +156,18 @@ class EngineLaunch:
             env=unredacted_mapping(engine.env, f"runtime.engines.{kind}.env"),
             startup_timeout_s=engine.startup_timeout_s,
             served_model_name=served_model_name,
+            gpus=engine.gpus,
         )
 
 
 def engine_command(launch: EngineLaunch) -> list[str]:
     """The argv that starts the engine, bound to 127.0.0.1, with EAGLE3 speculative decoding when `draft` is set.
 
-    vLLM runs `--dtype float32` unless `launch.dtype` says otherwise: our targets are fp32 checkpoints and vLLM's
-    `auto` would downcast them to bfloat16, so greedy outputs would no longer match the local transformers backend
-    (with float32 they match token for token); the regenerate stage asks for bfloat16 where it runs faster. `--enforce-eager` skips torch.compile (ready in seconds instead of minutes).
+    `--dtype` is always named, for the target and the drafter alike: neither engine has a draft dtype of its own
+    (SGLang's draft worker reads the server's --dtype, vLLM's draft inherits the target's), and SGLang's `auto` turns a
+    float32 config into float16, which beside a bfloat16 target fails its kernels. The CPU defaults (float32, eager)
+    keep greedy outputs token for token those of the local transformers backend; `enforce_eager` skips vLLM's
+    torch.compile and CUDA graphs (ready in seconds) or SGLang's CUDA graphs.
     """
     n = launch.num_speculative_tokens
     if n < 1:
@@ -142,8 +181,8 @@ def engine_command(launch: EngineLaunch) -> list[str]:
             "--host", HOST,
             "--port", str(launch.port),
             "--served-model-name", launch.served_model_name,
-            "--enforce-eager",
-            "--dtype", launch.dtype or "float32",
+            *(["--enforce-eager"] if launch.enforce_eager else []),
+            "--dtype", launch.dtype,
         ]  # fmt: skip
         if launch.draft is not None:
             spec = vllm_speculative_config(export_method(launch.draft), n, model=str(launch.draft))
@@ -156,9 +195,9 @@ def engine_command(launch: EngineLaunch) -> list[str]:
             "--port", str(launch.port),
             "--served-model-name", launch.served_model_name,
             "--enable-metrics",
+            "--dtype", launch.dtype,
+            *(["--disable-cuda-graph"] if launch.enforce_eager else []),
         ]  # fmt: skip
-        if launch.dtype is not None:
-            command += ["--dtype", launch.dtype]
         if launch.draft is not None:
             command += [
                 "--speculative-algorithm", "EAGLE3",
@@ -170,6 +209,18 @@ def engine_command(launch: EngineLaunch) -> list[str]:
     else:
         raise ValueError(f"unknown engine kind {launch.kind!r}; expected 'vllm' or 'sglang'")
     return command + list(launch.extra_args)
+
+
+def engine_environment(launch: EngineLaunch, inherited: Mapping[str, str]) -> dict[str, str]:
+    """The engine process's environment: the engine's defaults, then `inherited` (our own), then `launch.env`,
+    and `launch.gpus` as CUDA_VISIBLE_DEVICES over whatever the caller's shell had (placement is deliberate)."""
+    env = {**DEFAULT_ENV.get(launch.kind, {}), **inherited, **launch.env}
+    if launch.gpus is not None:
+        if GPU_VARIABLE in launch.env:
+            raise ValueError(f"runtime.engines.{launch.kind}.gpus ({launch.gpus}) and CUDA_VISIBLE_DEVICES in the "
+                             "engine's env both place the engine: keep gpus")
+        env[GPU_VARIABLE] = launch.gpus
+    return env
 
 
 def free_port() -> int:
@@ -407,13 +458,10 @@ def start_engine(launch: EngineLaunch) -> RunningEngine:
     if launch.draft is not None and not Path(launch.draft).exists():
         raise EngineMissing(f"draft model directory {launch.draft} does not exist")
     if _port_in_use(launch.port):
-        raise EngineStartError(
-            f"port {HOST}:{launch.port} is already in use; stop what listens there or pick another port "
-            f"(runtime.engines.{launch.kind}.port)"
-        )
+        raise EnginePortTaken(_port_taken(launch))
 
     command = engine_command(dataclasses.replace(launch, python=python))
-    env = {**DEFAULT_ENV.get(launch.kind, {}), **os.environ, **launch.env}
+    env = engine_environment(launch, os.environ)
 
     log_path = Path(launch.log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -433,7 +481,7 @@ def start_engine(launch: EngineLaunch) -> RunningEngine:
         code = process.poll()
         if code is not None:
             engine.stop(timeout_s=5)
-            raise EngineStartError(_failure(engine, f"exited with code {code} before becoming ready"))
+            raise _exited(engine, code)
         try:
             status, _ = _http_get(ready_url, timeout_s=5.0)
             if status == 200 and process.poll() is None:
@@ -442,7 +490,7 @@ def start_engine(launch: EngineLaunch) -> RunningEngine:
             pass
         if time.monotonic() >= deadline:
             engine.stop(timeout_s=10)
-            raise EngineStartError(
+            raise EngineNotReady(
                 _failure(engine, f"did not answer GET {ready_url} within {launch.startup_timeout_s:g} s; stopped it")
             )
         time.sleep(POLL_INTERVAL_S)
@@ -452,6 +500,33 @@ def _shell(command: list[str]) -> str:
     import shlex
 
     return " ".join(shlex.quote(part) for part in command)
+
+
+def _port_taken(launch: EngineLaunch) -> str:
+    return (f"port {HOST}:{launch.port} is already in use; stop what listens there or pick another port "
+            f"(runtime.engines.{launch.kind}.port), e.g. {free_port()}, free a moment ago")
+
+
+def exit_reason(log_tail: str) -> str:
+    """The line of an engine's log that says why it exited: the last one naming an error (an argparse usage
+    error, a Python exception, CUDA out of memory), else its last line."""
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    for line in reversed(lines):
+        lowered = line.lower()
+        if any(marker in lowered for marker in EXIT_REASON_MARKERS):
+            return line
+    return lines[-1] if lines else "it wrote nothing to its log"
+
+
+def _exited(engine: RunningEngine, code: int) -> EngineStartError:
+    """An engine that exited before it was ready: its port was taken after all (the bind failed), or it would
+    exit again however often it is started."""
+    reason = exit_reason(engine.log_tail())
+    if PORT_TAKEN_MARKER in reason.lower():
+        return EnginePortTaken(f"{_port_taken(engine.launch)}\n{_failure(engine, f'exited with code {code}')}")
+    what = (f"exited with code {code} before becoming ready: {reason} (not retried: the same command would exit "
+            f"again; the log {engine.log_path} says why)")
+    return EngineExited(_failure(engine, what))
 
 
 def _failure(engine: RunningEngine, what: str) -> str:

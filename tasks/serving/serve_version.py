@@ -5,7 +5,8 @@ benchmark measured fastest in the `eaglet.recommended_serving` tag); assembling 
 hand from them is where a wrong export, a stale chain length or another target slips in. This module resolves the
 version, downloads its export for the engine, refuses it when its contract names another target than the one it
 would serve, reads the recommended setting (falling back to `evaluation.steps` where the tag is missing) and builds
-the launch with the benchmark's own builder (tasks/serving/engine.py), so what is served is what was measured.
+the launch with the benchmark's own builder (tasks/serving/engine_settings.py: the same dtype, eager or CUDA graphs
+and GPUs), so what is served is what was measured.
 flows/cli.py `serve` is only the glue: it prints `launch_text` (--print) or runs `serve_in_foreground`.
 """
 
@@ -21,8 +22,9 @@ from typing import Any, Callable, Optional
 
 from contract.checkpoint import CheckpointContract, ContractMismatch, check_against_target
 from contract.config import RunConfig
-from tasks.serving.engine import (DEFAULT_ENV, EngineKind, EngineLaunch, RunningEngine, engine_command, resolve_python,
-                                  serve)
+from tasks.serving.engine import (DEFAULT_ENV, GPU_VARIABLE, EngineKind, EngineLaunch, RunningEngine, engine_command,
+                                  resolve_python, serve)
+from tasks.serving.engine_settings import run_launch
 from tasks.serving.serving_setting import ServingSetting, engines_serving, unserved_method
 
 #: Where the served versions' exports and engine logs go, under the run's output dir.
@@ -126,10 +128,10 @@ def served_version(cfg: RunConfig, engine: EngineKind, alias: Optional[str] = "c
         raise ContractMismatch(f"{name} v{number} was trained for another target than {target} "
                                f"(target.json beside it): {error}") from None
     setting, source = recommended_setting(tags.get(TAG_RECOMMENDED_SERVING), engine, cfg.evaluation.steps)
-    launch = EngineLaunch.from_config(engine, cfg.runtime.engines[engine], model=target,
-                                      log_path=cfg.output_path / SERVE_DIR / "logs" / f"{engine}-v{number}.log",
-                                      draft=export, num_speculative_tokens=setting.steps, topk=setting.topk,
-                                      num_draft_tokens=setting.num_draft_tokens)
+    launch = run_launch(cfg, engine, model=target,
+                        log_path=cfg.output_path / SERVE_DIR / "logs" / f"{engine}-v{number}.log",
+                        draft=export, num_speculative_tokens=setting.steps, topk=setting.topk,
+                        num_draft_tokens=setting.num_draft_tokens)
     if port is not None:
         launch = dataclasses.replace(launch, port=port)
     return ServedVersion(name, number, engine, export, setting, source, launch)
@@ -138,10 +140,13 @@ def served_version(cfg: RunConfig, engine: EngineKind, alias: Optional[str] = "c
 def launch_text(launch: EngineLaunch, field: str) -> str:
     """The environment the engine gets on top of the caller's, then its command line, as shell text (--print).
     The values of `field` (runtime.engines.<engine>.env) are secrets by contract (contract/secrets.py): written
-    as ***, never in the clear. The python is the one `start_engine` would run (resolved where it exists)."""
+    as ***, never in the clear; the GPUs it is placed on (runtime.engines.<engine>.gpus) are not. The python is the
+    one `start_engine` would run (resolved where it exists)."""
     defaults = {key: value for key, value in DEFAULT_ENV.get(launch.kind, {}).items() if key not in launch.env}
     lines = [f"export {key}={shlex.quote(value)}" for key, value in defaults.items()]
     lines += [f"export {key}=***  # {field}.{key} (secret)" for key in launch.env]
+    if launch.gpus is not None:
+        lines.append(f"export {GPU_VARIABLE}={shlex.quote(launch.gpus)}  # runtime.engines.{launch.kind}.gpus")
     python = resolve_python(launch.python) or launch.python
     lines.append(" ".join(shlex.quote(part) for part in engine_command(dataclasses.replace(launch, python=python))))
     return "\n".join(lines)

@@ -30,10 +30,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
-import httpx
-
 from contract.reports import PromptAcceptance
-from tasks.serving.counted_completions import REQUEST_TIMEOUT_S
+from tasks.common.intervals import round_tokens
+from tasks.serving.generated_replies import GeneratedMemo
 
 
 @dataclass(frozen=True)
@@ -43,11 +42,6 @@ class PromptRounds:
     prompt: str
     rounds: int
     tokens: int
-
-
-def round_tokens(emitted: int) -> int:
-    """Tokens emitted by verify rounds: all the request emitted but the prefill's first token."""
-    return max(emitted - 1, 0)
 
 
 def offline_rounds(per_prompt: Sequence[PromptAcceptance]) -> list[PromptRounds]:
@@ -125,26 +119,12 @@ def shown(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def replay_generate(root_url: str, prompts: Sequence[Any], max_tokens: int,
-                    temperature: float) -> list[dict[str, Any]]:
-    """Each prompt's ids through SGLang's native `/generate`, one at a time; its verify rounds and tokens."""
-    rows = []
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
-        for prompt in prompts:
-            body = {"input_ids": list(prompt.input_ids),
-                    "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature}}
-            response = client.post(f"{root_url}/generate", json=body)
-            response.raise_for_status()
-            reply = response.json()
-            meta = reply.get("meta_info") or {}
-            missing = [name for name in ("spec_verify_ct", "completion_tokens") if meta.get(name) is None]
-            if missing:
-                raise ValueError(f"{root_url}/generate answered prompt {prompt.key} without meta_info."
-                                 f"{' and meta_info.'.join(missing)}: not an SGLang server drafting speculatively")
-            rows.append({"prompt": prompt.key, "text": reply.get("text", ""),
-                         "completion_tokens": int(meta["completion_tokens"]), "verify_rounds": int(meta["spec_verify_ct"]),
-                         "finish_reason": meta.get("finish_reason")})
-    return rows
+def replay_generate(root_url: str, prompts: Sequence[Any], max_tokens: int, temperature: float,
+                    memo: Optional[GeneratedMemo] = None) -> list[dict[str, Any]]:
+    """Each prompt's ids through SGLang's native `/generate`, one at a time; its verify rounds and tokens. Prompts
+    `memo` holds (the suite replay sent them) are read from it, not generated again."""
+    replies = (memo if memo is not None else GeneratedMemo()).generate(root_url, prompts, max_tokens, temperature)
+    return [reply.row(prompt.key) for prompt, reply in zip(prompts, replies)]
 
 
 def engine_rounds(replayed: Sequence[dict[str, Any]]) -> list[PromptRounds]:

@@ -1,10 +1,10 @@
 """Trainer checkpoints that make a resumed run continue exactly as if it had never stopped.
 
 `checkpoints/step-00000N/` holds the draft weights, the optimizer and scheduler state, every rank's RNG
-states, the data cursor, the run config, and the `math` fields (everything that changes the numbers). A
-checkpoint is written under a temp name and renamed; the last `keep_last` are kept, plus the best by eval
-`simulated_accept_len`. Resuming with a different `math` field is refused, naming the field; nothing is deleted
-for it (tasks/training/previous_run.py sets an old run aside only when asked to start over).
+states (CPU and, on a GPU host, CUDA), the data cursor, the run config, and the `math` fields (everything that
+changes the numbers). A checkpoint is written under a temp name and renamed; the last `keep_last` are kept, plus
+the best by eval `simulated_accept_len`. Resuming with a different `math` field is refused, naming the field;
+nothing is deleted for it (tasks/training/previous_run.py sets an old run aside only when asked to start over).
 
 `training.resume_from`: `auto` (default) continues the newest checkpoint when there is one and the same code
 wrote it, `none` starts over, a path continues that checkpoint whatever code wrote it. A checkpoint records the
@@ -83,20 +83,33 @@ class TrainerState:
 
 
 def rng_state() -> dict[str, Any]:
+    """Every generator a training step draws from (noise, dropout, shuffles): Python's, NumPy's, torch's CPU
+    generator and, where CUDA is available, each visible GPU's (empty on a CPU host). Plain lists, written as JSON."""
     numpy_state = numpy.random.get_state()
+    cuda = [state.tolist() for state in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
     return {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
         "torch": torch.get_rng_state().tolist(),
+        "cuda": cuda,
     }
 
 
 def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what rng_state() saved. The CUDA generators are restored for the GPUs visible now (a checkpoint
+    written before they were saved, or on a CPU host, has none; a CPU host draws nothing from them)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, position, has_gauss, cached = state["numpy"]
     numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, cached))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    saved_cuda = state.get("cuda", [])
+    if saved_cuda and torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if len(saved_cuda) != visible:
+            raise ResumeRefused(f"the checkpoint holds the CUDA generators of {len(saved_cuda)} GPUs, this rank sees "
+                                f"{visible}: resume with the same visible GPUs, or the noise would differ")
+        torch.cuda.set_rng_state_all([torch.tensor(values, dtype=torch.uint8) for values in saved_cuda])
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:

@@ -20,7 +20,9 @@ from tasks.training.rank_environment import PARENT_RUN_VARIABLE
 
 def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: int, world_size: int,
            eval_metrics: dict[str, float], compute_dtype: str) -> None:
-    """draft/sglang and draft/vllm: the engine-ready checkpoint with its contract (docs/architecture.md §3, §5)."""
+    """draft/sglang and draft/vllm: the engine-ready checkpoint with its contract (docs/architecture.md §3, §5), in
+    the target's dtype (model.dtype: the weights cast to it, config.json's torch_dtype saying it), the dtype the
+    engines serve both models in; the trainer's fp32 master weights stay in its checkpoints."""
     from models.draft_checkpoint import save_pretrained
     from tasks.common.artifacts import atomic_directory
 
@@ -44,7 +46,8 @@ def export(cfg: RunConfig, draft: Eagle3Draft, manifest: dict[str, Any], steps: 
     )
     with atomic_directory(cfg.output_path / "draft") as staging:  # both engines' folders appear together or not at all
         for engine in ENGINES:
-            save_pretrained(draft, staging / engine, contract, info["num_hidden_layers"], engine=engine)
+            save_pretrained(draft, staging / engine, contract, info["num_hidden_layers"], engine=engine,
+                            dtype=getattr(torch, cfg.model.dtype))
 
 
 def plot_accuracy(metrics: dict[str, float], before: dict[str, float], path: Path) -> Optional[Path]:

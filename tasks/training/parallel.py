@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Iterator
 
 import torch
@@ -23,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 STRATEGIES = ("ddp", "fsdp")
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0, on CPU
+EVERY_RANK_FULL_STATE = StateDictOptions(full_state_dict=True)  # gathered to every rank, on its device
 LOAD_FULL_STATE = StateDictOptions(full_state_dict=True)
 DRAFT_PREFIX = "draft."
 
@@ -62,7 +64,13 @@ class Distributed:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
 
-def setup_distributed(device: torch.device) -> Distributed:
+def process_group_options(device: torch.device, timeout_s: float) -> dict[str, Any]:
+    """init_process_group's arguments: gloo on CPU, nccl on GPU, and how long a collective may wait for a rank
+    (`training.collective_timeout_s`; NCCL's watchdog otherwise ends a job after its default of 10 minutes)."""
+    return {"backend": "nccl" if device.type == "cuda" else "gloo", "timeout": timedelta(seconds=timeout_s)}
+
+
+def setup_distributed(device: torch.device, timeout_s: float) -> Distributed:
     """One process (no process group), or a torchrun rank: gloo on CPU, nccl on GPU (one GPU per rank)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
@@ -70,8 +78,14 @@ def setup_distributed(device: torch.device) -> Distributed:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(**process_group_options(device, timeout_s))
     return Distributed(rank=dist.get_rank(), world_size=world, device=device)
+
+
+def leave_process_group(env: Distributed) -> None:
+    """Destroy the process group (once: a rank that already left it calls this again on its way out)."""
+    if env.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def parallelise(module: nn.Module, strategy: str, env: Distributed) -> nn.Module:
@@ -111,10 +125,11 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     yield  # one rank: nothing to synchronise
 
 
-def full_draft_weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The draft's full weights on CPU, keyed as in the draft (collective under FSDP; every rank calls it).
-    Under FSDP only rank 0 receives them; the other ranks get an empty dict."""
-    weights = get_model_state_dict(module, options=FULL_STATE)
+def full_draft_weights(module: nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The draft's full weights, keyed as in the draft (collective under FSDP; every rank calls it). Under FSDP
+    only rank 0 receives them, on CPU, and the other ranks an empty dict; `every_rank`: each rank receives them
+    on its device (the sharded evaluation needs the whole draft everywhere)."""
+    weights = get_model_state_dict(module, options=EVERY_RANK_FULL_STATE if every_rank else FULL_STATE)
     return {name.removeprefix(DRAFT_PREFIX): value for name, value in weights.items()}
 
 
