@@ -17,6 +17,7 @@ from contract.config_loading import ConfigError, load_config
 from contract.reports import AcceptanceReport, BenchmarkReport, EngineSuites, PromptTokens
 from report_builders import acceptance_report, benchmark_report, engine_report, mode_acceptance, speedup_rows
 from sglang_generate_server import GenerateServer
+from test_engine_agreement import offline_decode
 from tasks.common.intervals import paired_difference
 from tasks.data.held_out import EvalPrompt
 from tasks.registry.comparison import SetComparison, compare_suites, measured_suites
@@ -48,12 +49,7 @@ def decodes(prompts: list[EvalPrompt], shift: int = 0) -> dict[tuple[int, ...], 
 
 def expected_decode(accept_lengths: list[int]) -> tuple[int, int]:
     """(verify rounds, tokens emitted with the prefill's) of a decode cut at BUDGET, the last round counted."""
-    emitted, rounds = 1, 0
-    for accept_length in accept_lengths:
-        if emitted >= BUDGET:
-            break
-        rounds, emitted = rounds + 1, min(BUDGET, emitted + accept_length)
-    return rounds, emitted
+    return offline_decode(accept_lengths, BUDGET)
 
 
 def replayed_summary(server: GenerateServer, prompts: list[EvalPrompt], memo: GeneratedMemo) -> dict[str, Any]:
